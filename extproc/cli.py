@@ -1,0 +1,202 @@
+"""`sluice`: the one command operators use.
+
+    sluice up [--config FILE]        Envoy + sidecar + simulated replicas, until Ctrl-C
+    sluice serve [--config FILE]     the sidecar alone (what docker-compose runs)
+    sluice render [--out DIR]        write Envoy's bootstrap + LDS/CDS from the policy
+    sluice check [--config FILE]     validate the policy and the rendered Envoy config
+    sluice sim ...                   a simulated vLLM replica (see `sluice sim --help`)
+    sluice bench ...                 benchmarks (overhead, the P1..P13 scenarios)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from extproc.config import Policy, PolicyError, default_policy_path, load_policy
+
+
+def _load(path: str | None) -> Policy:
+    return load_policy(path or default_policy_path())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from extproc.server import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    policy = _load(args.config)
+    try:
+        asyncio.run(serve(policy, worker=args.worker))
+    except OSError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from extproc.xds import render
+
+    policy = _load(args.config)
+    paths = render(policy, args.out, args.mode)
+    for name, path in paths.items():
+        print(f"wrote {name}: {path}")
+    return 0
+
+
+def validate_with_envoy(policy: Policy, mode: str = "sluice") -> tuple[bool, str]:
+    """Run `envoy --mode validate` on a bootstrap that carries the rendered listeners and clusters statically
+    (validate mode does not read file-based xDS, so a plain check of bootstrap.yaml would prove little)."""
+    import yaml
+
+    from extproc.xds import envoy_binary, render
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = render(policy, tmp, mode)
+        boot = yaml.safe_load(paths["bootstrap"].read_text())
+        boot.pop("dynamic_resources", None)
+        boot["static_resources"] = {
+            "listeners": yaml.safe_load(paths["lds"].read_text())["resources"],
+            "clusters": yaml.safe_load(paths["cds"].read_text())["resources"],
+        }
+        for res in boot["static_resources"]["listeners"] + boot["static_resources"]["clusters"]:
+            res.pop("@type", None)
+        static = Path(tmp) / "validate.yaml"
+        static.write_text(yaml.safe_dump(boot))
+        proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(static), "--log-level", "error"],
+                              capture_output=True, text=True, timeout=60)
+        return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    policy = _load(args.config)
+    print(f"policy {policy.source}: OK ({len(policy.pools)} pool(s), "
+          f"{sum(len(p.replicas) for p in policy.pools)} replica(s))")
+    ok, out = validate_with_envoy(policy)
+    print(("envoy --mode validate: OK" if ok else "envoy --mode validate: FAILED\n" + out))
+    return 0 if ok else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from extproc.supervisor import Stack, StartupError
+
+    policy = _load(args.config)
+    stack = Stack(policy, run_dir=Path(args.run_dir), mode=args.mode)
+    stopping = {"flag": False}
+
+    def _stop(_sig: int, _frame: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        stack.start()
+    except StartupError as exc:
+        print(f"sluice up: {exc}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"sluice up: {exc}", file=sys.stderr)
+        return 1
+    model = policy.default_pool.model
+    print(_banner(stack, model), flush=True)
+    try:
+        while not stopping["flag"]:
+            dead = [c for c in stack.children if not c.alive()]
+            if dead:
+                print(f"sluice up: {dead[0].name} exited unexpectedly; log {dead[0].log_path}:\n"
+                      f"{dead[0].log_tail()}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+    finally:
+        print("stopping: envoy, sidecar, replicas ...", flush=True)
+        stack.stop()
+    print("stopped.")
+    return 0
+
+
+def _banner(stack: "Stack", model: str) -> str:  # type: ignore[name-defined]
+    base = stack.base_url
+    lines = [
+        "sluice is up",
+        f"  gateway (OpenAI base URL): {base}/v1",
+        f"  Envoy admin / stats:       {stack.admin_url}/stats/prometheus",
+        f"  sidecar metrics:           {stack.metrics_url}",
+    ]
+    for model_name, addr in stack.simulated_replicas():
+        lines.append(f"  simulated replica:         http://{addr} ({model_name})")
+    lines += [
+        "",
+        "try it:",
+        f"  curl -sN {base}/v1/chat/completions -H 'content-type: application/json' \\",
+        f"    -d '{{\"model\":\"{model}\",\"stream\":true,\"max_tokens\":32,"
+        f"\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'",
+        f"  python -c \"from openai import OpenAI; c=OpenAI(base_url='{base}/v1', api_key='x'); "
+        f"print(c.chat.completions.create(model='{model}', max_tokens=32, "
+        f"messages=[{{'role':'user','content':'hello'}}]).choices[0].message.content)\"",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_sim(argv: list[str]) -> int:
+    from extproc.sim.cli import main as sim_main
+
+    return sim_main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", "-c", help="policy file (default: sluice.yaml in the project root)")
+        return p
+
+    p = with_config(sub.add_parser("up", help="start Envoy, the sidecar and simulated replicas"))
+    p.add_argument("--run-dir", default=".run", help="rendered config and logs go here (default .run)")
+    p.add_argument("--mode", default="sluice", choices=["sluice", "envoy-rr", "envoy-lr"])
+    p.set_defaults(func=cmd_up)
+    p = with_config(sub.add_parser("serve", help="run the ext_proc sidecar"))
+    p.add_argument("--worker", type=int, default=0, help="worker index (ports = base + index)")
+    p.set_defaults(func=cmd_serve)
+    p = with_config(sub.add_parser("render", help="write Envoy bootstrap + xDS files"))
+    p.add_argument("--out", default="envoy", help="output directory (default envoy/)")
+    p.add_argument("--mode", default="sluice", choices=["sluice", "envoy-rr", "envoy-lr"])
+    p.set_defaults(func=cmd_render)
+    p = with_config(sub.add_parser("check", help="validate the policy and the rendered Envoy config"))
+    p.set_defaults(func=cmd_check)
+    sub.add_parser("sim", help="simulated vLLM replica (sluice sim --help)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (sluice bench --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":
+        return cmd_sim(argv[1:])
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PolicyError as exc:
+        print(f"sluice: invalid policy: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Building the ext_proc answers the sidecar sends back to Envoy.
+
+Constant answers are built once at import and reused (protobuf serialises the same object any number of
+times); per-request answers reuse cached pieces (the dynamic-metadata Struct per pin list) so the hot path
+allocates as little as it can.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2, struct_pb2
+
+from extproc.xds import DESTINATION_KEY, LB_NAMESPACE, POOL_HEADER
+
+CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    # Envoy 1.40 ignores HeaderValue.value in ext_proc answers: only raw_value is applied.
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+_JSON_CT = _header("content-type", "application/json")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(message: str, code: str, err_type: str | None = None, status: int = 400,
+               param: str | None = None) -> bytes:
+    """The OpenAI error object: what the openai SDK parses into APIStatusError.message / .code."""
+    return orjson.dumps({"error": {"message": message, "type": err_type or ERROR_TYPES.get(status, "error"),
+                                   "param": param, "code": code}})
+
+
+def immediate(status: int, message: str, code: str, *, err_type: str | None = None, param: str | None = None,
+              retry_after_s: float | None = None, should_retry: bool | None = None,
+              extra_headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
+    """Answer the client directly (the request never reaches a replica).
+
+    `retry-after`/`retry-after-ms` and `x-should-retry` are what the official OpenAI SDKs read to decide
+    whether and when to retry (P5)."""
+    headers = [_JSON_CT]
+    if retry_after_s is not None:
+        ms = max(1, int(retry_after_s * 1000))
+        headers.append(_header("retry-after-ms", str(ms)))
+        headers.append(_header("retry-after", str(max(1, -(-ms // 1000)))))
+    if should_retry is not None:
+        headers.append(_header("x-should-retry", "true" if should_retry else "false"))
+    for key, value in (extra_headers or {}).items():
+        headers.append(_header(key, value))
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        headers=pb.HeaderMutation(set_headers=headers),
+        body=error_body(message, code, err_type, status, param),
+        details=f"sluice_{code}",
+    ))
+
+
+def json_response(status: int, payload: object) -> pb.ProcessingResponse:
+    """A successful answer from the sidecar itself (e.g. GET /v1/models)."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        headers=pb.HeaderMutation(set_headers=[_JSON_CT]),
+        body=orjson.dumps(payload),
+        details="sluice_local",
+    ))
+
+
+@lru_cache(maxsize=4096)
+def pin_metadata(pins: str) -> struct_pb2.Struct:
+    """`{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port"}}`, cached per pin list
+    (a pool of N replicas has at most N*(N-1) ordered pairs)."""
+    s = struct_pb2.Struct()
+    s.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value = pins
+    return s
+
+
+@lru_cache(maxsize=256)
+def _pool_header(cluster: str) -> base_pb2.HeaderValueOption:
+    return _header(POOL_HEADER, cluster)
+
+
+def forward(cluster: str, pins: str, *, upstream_timeout_ms: int | None = None,
+            remove_headers: list[str] | None = None, extra_headers: list[base_pb2.HeaderValueOption] | None = None,
+            at_headers: bool = False) -> pb.ProcessingResponse:
+    """Let the request through, pinned: the pool header selects the cluster (route cache cleared so the route
+    is chosen again), the dynamic metadata gives override_host the ordered replica list."""
+    mutation = pb.HeaderMutation(set_headers=[_pool_header(cluster)])
+    if upstream_timeout_ms is not None:
+        mutation.set_headers.append(_header("x-envoy-upstream-rq-timeout-ms", str(upstream_timeout_ms)))
+    if extra_headers:
+        mutation.set_headers.extend(extra_headers)
+    if remove_headers:
+        mutation.remove_headers.extend(remove_headers)
+    common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    if at_headers:
+        resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+    else:
+        resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    resp.dynamic_metadata.CopyFrom(pin_metadata(pins))
+    return resp
+
+
+def hold(seconds: float) -> pb.ProcessingResponse:
+    """Ask Envoy to wait longer for the answer to the current message (sent once per held request)."""
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+        seconds=int(seconds), nanos=int((seconds - int(seconds)) * 1e9)))

@@ -1,0 +1,1 @@
+"""Where a request goes: replica state, picking, and (later) scraping and health."""

