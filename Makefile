@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 render: $(STAMP)
-	$(BIN)/sluice render
+	$(BIN)/sluice render --out envoy --xds-dir /etc/envoy
 
 check: $(STAMP)
 	$(BIN)/sluice check

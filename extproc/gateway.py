@@ -11,27 +11,43 @@ protobuf messages.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import metrics as m
 from extproc import responses as R
+from extproc.admission.policy import admission_policy_from_dict
+from extproc.admission.queue import Waiter
+from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.config import Policy
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
+from extproc.routing.placement import Placer
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
-from extproc.xds import DESTINATION_KEY, POOL_HEADER
+from extproc.xds import ATTRIBUTE_NAMESPACE, DESTINATION_KEY, POOL_HEADER
+
+if TYPE_CHECKING:
+    from google.protobuf import struct_pb2
+
+    from extproc.accesslog import AccessLogReceiver
 
 log = logging.getLogger("sluice.gateway")
 
-# Client-sent headers that would let a client decide what only the gateway may decide.
-_GATEWAY_ONLY = (POOL_HEADER, DESTINATION_KEY)
+# Client-sent headers that would let a client decide what only the gateway may decide: removed from every
+# forwarded request (removing an absent header is free; one constant list, no per-request work).
+STRIPPED_HEADERS = [POOL_HEADER, DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
+                    "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on",
+                    "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes", "x-envoy-retriable-header-names",
+                    "x-envoy-hedge-on-per-try-timeout", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
+                    "x-envoy-upstream-stream-duration-ms"]
 
 # Lifecycle states of one stream (explicit, so `finish` knows what to release).
-NEW, FORWARDED, RESPONDING, DONE, REJECTED = "new", "forwarded", "responding", "done", "rejected"
+NEW, QUEUED, FORWARDED, RESPONDING, DONE, REJECTED = "new", "queued", "forwarded", "responding", "done", "rejected"
 
 
 @dataclass(slots=True)
@@ -50,7 +66,7 @@ class Head:
     idempotency_key: str | None = None
     request_id: str = ""
     client_timeout_s: float | None = None
-    strip: list[str] = field(default_factory=list)
+    api_key: str | None = None  # never logged; mapped to a tenant by identity
 
 
 @dataclass(slots=True)
@@ -62,13 +78,13 @@ class Stream:
     head: Head | None = None
     req: LLMRequest | None = None
     pool: Pool | None = None
-    replica: Replica | None = None
-    tokens: int = 0
+    waiter: Waiter | None = None
+    placement: Placement | None = None
     status: int = 0
     first_byte: float = 0.0
 
 
-def _float(raw: bytes) -> float | None:
+def _float(raw: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
@@ -76,15 +92,58 @@ def _float(raw: bytes) -> float | None:
     return value if value > 0 else None
 
 
-def _int(raw: bytes, default: int = 0) -> int:
+def _int(raw: str, default: int = 0) -> int:
     try:
         return int(raw)
     except ValueError:
         return default
 
 
+def _set_timeout(head: Head, text: str) -> None:
+    head.client_timeout_s = _float(text)
+
+
+def _set_deadline_ms(head: Head, text: str) -> None:
+    ms = _float(text)
+    if ms is not None:
+        head.client_timeout_s = ms / 1000.0
+
+
+def _set_retry_count(head: Head, text: str) -> None:
+    head.retry_count = _int(text)
+
+
+def _set_task_depth(head: Head, text: str) -> None:
+    head.task_depth = _int(text)
+
+
+def _setter(name: str, limit: int) -> "Callable[[Head, str], None]":  # noqa: F821
+    def set_field(head: Head, text: str) -> None:
+        setattr(head, name, text[:limit])
+    return set_field
+
+
+def _set_authorization(head: Head, text: str) -> None:
+    head.api_key = text[7:] if text[:7].lower() == "bearer " else text
+
+
+# One reader per header the sidecar asks Envoy for (xds.HEADER_ATTRIBUTES); the key is the header name.
+_HEADER_READERS = {
+    "x-stainless-retry-count": _set_retry_count,
+    "x-stainless-read-timeout": _set_timeout,
+    "x-sluice-deadline-ms": _set_deadline_ms,
+    "x-sluice-tenant": _setter("tenant", 64),
+    "x-sluice-app": _setter("app", 64),
+    "x-sluice-task-id": _setter("task_id", 128),
+    "x-sluice-task-depth": _set_task_depth,
+    "x-sluice-priority": _setter("priority", 16),
+    "idempotency-key": _setter("idempotency_key", 128),
+    "authorization": _set_authorization,
+}
+
+
 class Gateway:
-    """Holds the pools and decides for each stream. One instance per sidecar process."""
+    """Holds the pools and their schedulers and decides for each stream. One instance per sidecar process."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -93,82 +152,69 @@ class Gateway:
         self.estimator = make_estimator(lim.tokenizer, lim.tokenizer_path or None, lim.bytes_per_token)
         self.max_body = lim.max_body_bytes
         self.default_output = lim.default_output_tokens
+        self.admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
+        self.placers = {name: Placer(pool, self.admission) for name, pool in self.pools.items()}
+        self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
+                           for name, pool in self.pools.items()}
         self.draining = False
-        self._models_payload = {"object": "list", "data": [
-            {"id": p.model, "object": "model", "created": 0, "owned_by": "sluice"} for p in policy.pools]}
-        self._outcomes = {(p.model, o): m.REQUESTS.labels(p.model, o)
-                          for p in policy.pools for o in ("completed", "cancelled", "failed", "rejected")}
+        self.access_log: AccessLogReceiver | None = None
         self._inflight_req = {r: m.INFLIGHT_REQUESTS.labels(r.pool, r.address)
                               for pool in self.pools.values() for r in pool.replicas}
         self._inflight_tok = {r: m.INFLIGHT_TOKENS.labels(r.pool, r.address)
                               for pool in self.pools.values() for r in pool.replicas}
 
-    # ---- request headers -------------------------------------------------------------------------------
+    def attach_access_log(self, receiver: AccessLogReceiver) -> None:
+        """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
+        self.access_log = receiver
+
+    def set_freshness(self, is_fresh: "Callable[[Replica, float], bool]") -> None:  # noqa: F821
+        """With a scraper running, replicas whose metrics are stale count as saturated."""
+        for placer in self.placers.values():
+            placer.is_fresh = is_fresh
+
+    def kick_all(self) -> None:
+        """Capacity may have changed (scrape, health): dispatch what now fits."""
+        for sched in self.schedulers.values():
+            if sched.queued_total():
+                sched.kick()
+
+    # ---- request head, from the CEL attributes that come with the body ------------------------------------
     def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        st.start = time.monotonic()
+        """Only reached if Envoy is configured to SEND request headers: the rendered config skips them."""
+        return R.CONTINUE_REQUEST_HEADERS
+
+    @staticmethod
+    def read_head(attributes: Mapping[str, struct_pb2.Struct]) -> Head:
         head = Head()
-        for h in msg.headers.headers:
-            key = h.key
-            if key[0] == ":":
-                if key == ":path":
-                    head.path = h.raw_value.decode("latin-1").split("?", 1)[0]
-                elif key == ":method":
-                    head.method = h.raw_value.decode("latin-1")
-            elif key.startswith("x-"):
-                self._read_x_header(head, key, h.raw_value)
-            elif key == "content-length":
-                head.content_length = _int(h.raw_value, -1)
-            elif key == "idempotency-key":
-                head.idempotency_key = h.raw_value.decode("latin-1")
-        st.head = head
+        attrs = attributes.get(ATTRIBUTE_NAMESPACE)
+        if attrs is None:
+            return head
+        for key, value in attrs.fields.items():
+            text = value.string_value
+            if key == "request.path":
+                head.path = text.split("?", 1)[0]
+            elif key == "request.id":
+                head.request_id = text
+            else:
+                _HEADER_READERS[key[17:-2]](head, text)  # "request.headers['x-…']" -> "x-…"
+        return head
+
+    # ---- request body: the decision --------------------------------------------------------------------
+    def on_request_body(self, st: Stream, msg: pb.HttpBody,
+                        attributes: Mapping[str, struct_pb2.Struct]) -> pb.ProcessingResponse | Waiter:
+        """Answer now (reject or forward pinned), or return the Waiter of a request held in the queue: the
+        servicer then tells Envoy to wait and awaits `wait`."""
+        t0 = time.perf_counter()
+        st.start = time.monotonic()
+        st.head = head = self.read_head(attributes)
         if self.draining:
             return self._reject(st, R.immediate(503, "the gateway is shutting down; retry shortly", "draining",
                                                 retry_after_s=1.0, should_retry=True))
-        if head.path == "/v1/models" and head.method == "GET":
-            st.state = DONE
-            return R.json_response(200, self._models_payload)
-        if head.path not in ENDPOINTS:
-            return self._reject(st, R.immediate(404, f"unknown endpoint {head.method} {head.path}",
-                                                "unknown_endpoint"))
-        if head.method != "POST":
-            return self._reject(st, R.immediate(405, f"{head.path} accepts POST only", "method_not_allowed"))
-        if head.content_length > self.max_body:
-            return self._reject(st, self._too_large())
-        if msg.end_of_stream:
-            return self._reject(st, R.immediate(400, "request body is required", "missing_body"))
-        return R.CONTINUE_REQUEST_HEADERS
-
-    def _read_x_header(self, head: Head, key: str, raw: bytes) -> None:
-        if key.startswith("x-envoy-") or key in _GATEWAY_ONLY:
-            head.strip.append(key)
-        elif key == "x-stainless-retry-count":
-            head.retry_count = _int(raw)
-        elif key == "x-stainless-read-timeout":
-            head.client_timeout_s = _float(raw)
-        elif key == "x-sluice-deadline-ms":
-            ms = _float(raw)
-            if ms is not None:
-                head.client_timeout_s = ms / 1000.0
-        elif key == "x-request-id":
-            head.request_id = raw.decode("latin-1")
-        elif key == "x-sluice-tenant":
-            head.tenant = raw.decode("latin-1")[:64]
-        elif key == "x-sluice-app":
-            head.app = raw.decode("latin-1")[:64]
-        elif key == "x-sluice-task-id":
-            head.task_id = raw.decode("latin-1")[:128]
-        elif key == "x-sluice-task-depth":
-            head.task_depth = _int(raw)
-        elif key == "x-sluice-priority":
-            head.priority = raw.decode("latin-1")
-
-    # ---- request body: the decision --------------------------------------------------------------------
-    def on_request_body(self, st: Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        t0 = time.perf_counter()
-        head = st.head or Head()
         body = msg.body
         if len(body) > self.max_body:
             return self._reject(st, self._too_large())
+        if head.path not in ENDPOINTS:
+            return self._reject(st, R.immediate(404, f"unknown endpoint {head.path}", "unknown_endpoint"))
         try:
             req = parse_body(ENDPOINTS[head.path], body, self.estimator, self.default_output)
         except BadRequest as exc:
@@ -181,13 +227,35 @@ class Gateway:
         self._fill_identity(req, head, st.start)
         st.req = req
         st.pool = pool
-        pins = pool.pick(req.total_tokens)
-        if not pins:
-            return self._reject(st, R.immediate(503, f"no replica of {req.model} is available", "pool_unavailable",
-                                                retry_after_s=1.0, should_retry=True))
-        resp = self._dispatch(st, pins)
-        m.DECISION_SECONDS.observe(time.perf_counter() - t0)
-        return resp
+        if not self.admission.enabled:
+            return self._forward_unmetered(st, pool, t0)
+        try:
+            result = self.schedulers[pool.model].submit(req, st.start)
+        except Shed as shed:
+            return self._shed(st, shed)
+        if isinstance(result, Placement):
+            resp = self._forward(st, result)
+            m.DECISION_SECONDS.observe(time.perf_counter() - t0)
+            return resp
+        st.waiter = result
+        st.state = QUEUED
+        return result
+
+    async def wait(self, st: Stream) -> pb.ProcessingResponse:
+        """Hold a queued request until it is dispatched or its deadline passes. If the client leaves meanwhile,
+        the stream is cancelled here and `finish` drops it from the queue."""
+        w = st.waiter
+        assert w is not None and st.pool is not None
+        sched = self.schedulers[st.pool.model]
+        timeout = w.deadline - time.monotonic()
+        if timeout > 0 and not w.future.done():
+            await asyncio.wait((w.future,), timeout=timeout)
+        if not w.future.done():
+            return self._shed(st, sched.expired(w, time.monotonic()))
+        exc = w.future.exception()
+        if exc is not None:
+            return self._shed(st, exc)  # type: ignore[arg-type]
+        return self._forward(st, w.future.result())
 
     def _fill_identity(self, req: LLMRequest, head: Head, arrival: float) -> None:
         req.tenant = head.tenant
@@ -201,24 +269,37 @@ class Gateway:
         req.client_timeout_s = head.client_timeout_s
         req.arrival = arrival
 
-    def _dispatch(self, st: Stream, pins: list[Replica]) -> pb.ProcessingResponse:
-        """Account the request on the primary replica and answer Envoy with the pinned route."""
+    def _forward(self, st: Stream, placement: Placement) -> pb.ProcessingResponse:
+        """The request holds its placement until the stream ends; answer Envoy with the pinned route."""
         req = st.req
         assert req is not None and st.pool is not None
-        primary = pins[0]
-        tokens = req.total_tokens
-        primary.place(tokens)
+        st.placement, st.state = placement, FORWARDED
+        primary = placement.replica
         self._inflight_req[primary].inc()
-        self._inflight_tok[primary].inc(tokens)
-        st.replica, st.tokens, st.state = primary, tokens, FORWARDED
+        self._inflight_tok[primary].inc(req.total_tokens)
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
             remaining = req.client_timeout_s - (time.monotonic() - req.arrival)
             timeout_ms = max(1, int(remaining * 1000))
-        pin_str = ",".join(r.address for r in pins)
-        return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms,
-                         remove_headers=st.head.strip if st.head and st.head.strip else None)
+        pin_str = ",".join(r.address for r in placement.pins)
+        return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
+
+    def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:
+        """Admission disabled: least in-flight tokens, no queue, no limits."""
+        assert st.req is not None
+        pins = pool.pick(st.req.total_tokens)
+        if not pins:
+            return self._reject(st, R.immediate(503, f"no replica of {pool.model} is available",
+                                                "pool_unavailable", retry_after_s=1.0, should_retry=True))
+        pins[0].place(st.req.total_tokens, st.req.prompt_tokens)
+        resp = self._forward(st, Placement(pins[0], pins, -1))
+        m.DECISION_SECONDS.observe(time.perf_counter() - t0)
+        return resp
+
+    def _shed(self, st: Stream, shed: Shed) -> pb.ProcessingResponse:
+        return self._reject(st, R.immediate(shed.status, shed.message, shed.code, retry_after_s=shed.retry_after_s,
+                                            should_retry=shed.should_retry))
 
     def _too_large(self) -> pb.ProcessingResponse:
         return R.immediate(413, f"request body exceeds the gateway limit of {self.max_body} bytes",
@@ -234,7 +315,7 @@ class Gateway:
     def on_response_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         for h in msg.headers.headers:
             if h.key == ":status":
-                st.status = _int(h.raw_value)
+                st.status = _int(h.raw_value.decode("latin-1"))
                 break
         st.first_byte = time.monotonic()
         if st.state == FORWARDED:
@@ -253,22 +334,29 @@ class Gateway:
 
     # ---- end of stream: always called, exactly once ---------------------------------------------------
     def finish(self, st: Stream) -> str:
-        """Release everything the stream holds; return its outcome. Completed vs cancelled is decided by
-        whether the response's end was seen, never by the gRPC status (Envoy resets streams either way)."""
-        pool, replica = st.pool, st.replica
-        if st.state == REJECTED:
-            outcome = "rejected"
-        elif st.state == DONE:
-            outcome = "failed" if st.status >= 500 else "completed"
-        else:
-            outcome = "failed" if st.status >= 500 else "cancelled"
-        if replica is not None:
-            replica.release(st.tokens)
+        """Release everything the stream holds. Returns what the stream itself saw: `done` when the response's
+        end was seen (trailers, or the last body chunk when observed), else its last state: with the cheap
+        response mode a finished and an abandoned request look alike here, so the authoritative outcome is
+        counted from Envoy's access log."""
+        w = st.waiter
+        if w is not None and st.placement is None and st.pool is not None:
+            fut = w.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                st.placement = fut.result()  # dispatched just as the client left: release below
+            else:
+                self.schedulers[st.pool.model].abandon(w)
+                if not fut.done():
+                    fut.cancel()
+        placement, req = st.placement, st.req
+        if placement is not None and req is not None:
+            replica = placement.replica
+            if placement.lane >= 0:
+                self.schedulers[replica.pool].release(placement, req)
+            else:
+                replica.release(req.total_tokens, req.prompt_tokens)
             self._inflight_req[replica].dec()
-            self._inflight_tok[replica].dec(st.tokens)
+            self._inflight_tok[replica].dec(req.total_tokens)
             if st.status >= 500:
                 replica.errors_total += 1
-            st.replica = None
-        if pool is not None:
-            self._outcomes[(pool.model, outcome)].inc()
-        return outcome
+            st.placement = None
+        return st.state

@@ -8,12 +8,14 @@ no `labels()` lookups per request where a cached child will do.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # the *_created series double the exposition size and nobody graphs them
 
 REQUESTS = Counter(
     "sluice_requests_total",
-    "Requests that reached a decision, by pool and final outcome "
-    "(completed, cancelled, failed = replica 5xx or reset, rejected = answered by the sidecar).",
+    "Requests forwarded to a pool, by final outcome from Envoy's access log: completed, cancelled (client "
+    "left), timeout (deadline or idle timeout), failed (replica 5xx, reset or unreachable).",
     ["pool", "outcome"],
 )
 REJECTIONS = Counter(

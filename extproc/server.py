@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -17,9 +18,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from envoy.service.accesslog.v3 import als_pb2_grpc
+
 from extproc import metrics as m
+from extproc.accesslog import AccessLogReceiver
 from extproc import responses as R
 from extproc.config import Policy
+from extproc.admission.queue import Waiter
 from extproc.gateway import Gateway, Stream
 
 log = logging.getLogger("sluice.server")
@@ -40,7 +45,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    yield gw.on_request_body(st, msg.request_body)
+                    answer = gw.on_request_body(st, msg.request_body, msg.attributes)
+                    if answer.__class__ is Waiter:
+                        # Held in the queue: ask Envoy to wait (once), then answer when dispatched or shed.
+                        yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
+                        answer = await gw.wait(st)
+                    yield answer
                 elif kind == "request_headers":
                     yield gw.on_request_headers(st, msg.request_headers)
                 elif kind == "response_headers":
@@ -87,6 +97,9 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
         ("grpc.http2.max_pings_without_data", 0),
     ])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gateway), server)
+    access_log = AccessLogReceiver({p.cluster: p.model for p in gateway.pools.values()})
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    gateway.attach_access_log(access_log)
     grpc_addr = f"{sc.host}:{sc.grpc_port + worker}"
     if server.add_insecure_port(grpc_addr) == 0:
         raise OSError(f"cannot listen on {grpc_addr} (port taken?)")

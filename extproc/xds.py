@@ -34,7 +34,10 @@ from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     ApiVersion,
     ConfigSource,
+    DataSource,
     GrpcService,
+    HeaderValue,
+    HeaderValueOption,
     GrpcServiceEnvoyGrpc,
     Http2ProtocolOptions,
     Http1ProtocolOptions,
@@ -50,6 +53,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, End
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
+    DirectResponseAction,
     HeaderMatcher,
     RetryPolicy,
     Route,
@@ -60,6 +64,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
 )
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    ExtProcPerRoute,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
     ProcessingMode,
@@ -74,7 +79,12 @@ from envoy_data_plane.envoy.config.accesslog.v3 import (
     ResponseFlagFilter,
     StatusCodeFilter,
 )
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
 from envoy_data_plane.envoy.config.core.v3 import RuntimeUInt32, SubstitutionFormatString
+from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
+    CommonGrpcAccessLogConfig,
+    HttpGrpcAccessLogConfig,
+)
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
     HttpConnectionManagerCodecType,
@@ -108,7 +118,15 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 EXTPROC_STAT_PREFIX = "sluice"
 LISTENER_NAME = "sluice_listener"
 ROUTE_NAME = "sluice_routes"
-HIGH = 1_000_000  # circuit-breaker ceilings: Envoy's defaults (1,024) turn held requests into 500s (P12)
+HIGH = 1_000_000
+# Request headers the sidecar reads, delivered as CEL attributes with the body (request headers SKIP).
+HEADER_ATTRIBUTES = ("x-stainless-retry-count", "x-stainless-read-timeout", "x-sluice-deadline-ms",
+                     "x-sluice-tenant", "x-sluice-app", "x-sluice-task-id", "x-sluice-task-depth",
+                     "x-sluice-priority", "idempotency-key", "authorization")
+REQUEST_ATTRIBUTES = ("request.path", "request.id",
+                      *(f"request.headers['{h}']" for h in HEADER_ATTRIBUTES))
+ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")  # circuit-breaker ceilings: Envoy's defaults (1,024) turn held requests into 500s (P12)
 
 
 def _secs(seconds: float) -> dt.timedelta:
@@ -248,20 +266,25 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                                  timeout=_secs(5)),
         failure_mode_allow=policy.sidecar.failure_mode_allow,
+        # ONE round trip per request: headers are skipped and the few the sidecar needs come as CEL attributes
+        # with the buffered body. Response headers are skipped too (the access log reports status and timing),
+        # but trailers SEND keeps the stream open until the request ends, so the stream's close is the moment
+        # every slot is released.
         processing_mode=ProcessingMode(
-            request_header_mode=send,
+            request_header_mode=skip,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip,
-            response_header_mode=send,
+            response_header_mode=skip,
             response_body_mode=ProcessingModeBodySendMode.NONE,
             response_trailer_mode=send,
         ),
+        request_attributes=list(REQUEST_ATTRIBUTES),
         message_timeout=dt.timedelta(milliseconds=policy.sidecar.message_timeout_ms),
         max_message_timeout=dt.timedelta(milliseconds=policy.sidecar.max_queue_wait_ms + 2000),
         stat_prefix=EXTPROC_STAT_PREFIX,
         allow_mode_override=True,
         allowed_override_modes=[ProcessingMode(
-            request_header_mode=send, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_header_mode=skip, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip, response_header_mode=send,
             response_body_mode=ProcessingModeBodySendMode.STREAMED, response_trailer_mode=send)],
         metadata_options=MetadataOptions(
@@ -296,16 +319,48 @@ def _route_action(policy: Policy, mode: str, cluster: str | None) -> RouteAction
     return action
 
 
+def _no_ext_proc() -> dict[str, PbAny]:
+    return {"envoy.filters.http.ext_proc": PbAny.pack(ExtProcPerRoute(disabled=True))}
+
+
+def _direct_json(status: int, payload: dict[str, Any]) -> DirectResponseAction:
+    import json
+
+    return DirectResponseAction(status=status, body=DataSource(inline_string=json.dumps(payload)))
+
+
+def models_payload(policy: Policy) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": p.model, "object": "model", "created": 0, "owned_by": "sluice"}
+                                       for p in policy.pools]}
+
+
 def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
+    """sluice mode: inference paths go through the sidecar (which sets the pool header); /v1/models is answered
+    by Envoy from the policy; anything else is a JSON 404 without bothering the sidecar or a replica."""
     routes: list[Route] = []
+    json_ct = [HeaderValueOption(header=HeaderValue(key="content-type", value="application/json"))]
     if mode == "sluice":
-        routes.append(Route(
-            name="pinned-pool",
-            match=RouteMatch(prefix="/", headers=[HeaderMatcher(name=POOL_HEADER, present_match=True)]),
-            route=_route_action(policy, mode, None),
-        ))
-    routes.append(Route(name="default-pool", match=RouteMatch(prefix="/"),
-                        route=_route_action(policy, mode, policy.default_pool.cluster)))
+        for path in INFERENCE_PATHS:
+            routes.append(Route(
+                name=f"pinned{path}",
+                match=RouteMatch(path=path, headers=[HeaderMatcher(name=POOL_HEADER, present_match=True)]),
+                route=_route_action(policy, mode, None),
+            ))
+        for path in INFERENCE_PATHS:  # sidecar unreachable with failure_mode_allow: unpinned, default pool
+            routes.append(Route(name=f"unpinned{path}", match=RouteMatch(path=path),
+                                route=_route_action(policy, mode, policy.default_pool.cluster)))
+        routes.append(Route(name="models", match=RouteMatch(path="/v1/models"),
+                            direct_response=_direct_json(200, models_payload(policy)),
+                            typed_per_filter_config=_no_ext_proc(), response_headers_to_add=json_ct))
+        routes.append(Route(name="unknown", match=RouteMatch(prefix="/"),
+                            direct_response=_direct_json(404, {"error": {
+                                "message": "unknown endpoint: sluice serves /v1/chat/completions, "
+                                           "/v1/completions and /v1/models",
+                                "type": "not_found_error", "param": None, "code": "unknown_endpoint"}}),
+                            typed_per_filter_config=_no_ext_proc(), response_headers_to_add=json_ct))
+    else:
+        routes.append(Route(name="default-pool", match=RouteMatch(prefix="/"),
+                            route=_route_action(policy, mode, policy.default_pool.cluster)))
     vhost = VirtualHost(name="llm", domains=["*"], routes=routes,
                         # Prompts are larger than the 64 KiB connection buffer kept for streaming memory (P13).
                         request_body_buffer_limit=policy.limits.max_body_bytes)
@@ -335,6 +390,22 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
     ])
 
 
+ACCESS_LOG_NAME = "sluice"
+
+
+def _grpc_access_log(policy: Policy) -> AccessLog:
+    """Every finished request (and, each flush interval, every running one) reported to the sidecar: the
+    authoritative outcome (completed / cancelled / timeout / failed), see accesslog.py."""
+    cfg = HttpGrpcAccessLogConfig(common_config=CommonGrpcAccessLogConfig(
+        log_name=ACCESS_LOG_NAME,
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        transport_api_version=ApiVersion.V3,
+        buffer_flush_interval=dt.timedelta(milliseconds=100),
+        buffer_size_bytes=16384,
+    ))
+    return AccessLog(name="envoy.access_loggers.http_grpc", typed_config=PbAny.pack(cfg))
+
+
 def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
     gw = policy.gateway
     filters = []
@@ -346,6 +417,8 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
         codec_type=HttpConnectionManagerCodecType.AUTO,
         route_config=render_route_config(policy, mode),
         local_reply_config=render_local_reply(policy),
+        access_log=[_grpc_access_log(policy)] if mode == "sluice" else [],
+
         http_filters=filters,
         stream_idle_timeout=_secs(stream_idle_timeout_s(policy)),
         request_timeout=_secs(0),
@@ -365,7 +438,7 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
 
 
 def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
-    xds_dir = xds_dir.resolve()
+    """`xds_dir` is where Envoy will read lds.yaml / cds.yaml (inside a container: its mount point)."""
     watched = WatchedDirectory(path=str(xds_dir))
 
     def source(name: str) -> ConfigSource:
@@ -416,8 +489,10 @@ def _write_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def render(policy: Policy, out_dir: str | Path, mode: str = "sluice") -> dict[str, Path]:
-    """Write bootstrap.yaml, lds.yaml and cds.yaml into out_dir; return their paths."""
+def render(policy: Policy, out_dir: str | Path, mode: str = "sluice",
+           xds_dir: str | Path | None = None) -> dict[str, Path]:
+    """Write bootstrap.yaml, lds.yaml and cds.yaml into out_dir; return their paths. The bootstrap points Envoy
+    at `xds_dir` (default: out_dir itself, as an absolute path)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
     out = Path(out_dir)
@@ -426,7 +501,8 @@ def render(policy: Policy, out_dir: str | Path, mode: str = "sluice") -> dict[st
     # CDS before LDS, bootstrap last: a watching Envoy must never see a listener routing to a missing cluster.
     _write_atomic(paths["cds"], _discovery_doc(render_clusters(policy, mode)))
     _write_atomic(paths["lds"], _discovery_doc([render_listener(policy, mode)]))
-    _write_atomic(paths["bootstrap"], _to_dict(render_bootstrap(policy, out)))
+    where = Path(xds_dir) if xds_dir is not None else out.resolve()
+    _write_atomic(paths["bootstrap"], _to_dict(render_bootstrap(policy, where)))
     return paths
 
 

@@ -1,14 +1,41 @@
-"""Replicas of one model and the sidecar's own accounting of what it placed on each.
+"""Replicas of one model: what the sidecar knows about each (scraped engine state, its own placements, health)
+and the pool-level view admission reads.
 
-The in-flight numbers here are exact for this sidecar (incremented at dispatch, decremented in the stream's
-`finally`), so they are the part of a replica's load the sidecar can trust between scrapes (P7).
+Three sources meet in `Replica`:
+- the scraper (`scrape.py`) writes the engine's own numbers (KV usage, running, waiting, TTFT...) every
+  100-250 ms;
+- this sidecar's accounting (`place` / `release`) is exact and immediate, so between scrapes the sidecar adds
+  its own placements to the last scraped state (P7, P9);
+- the health tracker (`health.py`) sets `state` and `weight` from business signals (P6, P8).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from extproc.config import PoolConfig
+
+# Health states (see health.py for the transitions).
+HEALTHY, DEGRADED, EJECTED, RECOVERING = "healthy", "degraded", "ejected", "recovering"
+
+
+@dataclass(slots=True, eq=False)
+class EngineState:
+    """The replica's own numbers from its last scrape (vLLM / SGLang names mapped in scrape.py)."""
+
+    scraped_at: float = 0.0             # time.monotonic() of the last successful scrape; 0 = never
+    kv_usage: float = 0.0               # 0..1 fraction of KV blocks in use
+    running: int = 0
+    waiting: int = 0
+    preemptions_total: float = 0.0
+    kv_capacity_tokens: int = 0         # from vllm:cache_config_info (blocks x block size), 0 = unknown
+    ttft_p95_s: float = 0.0             # over the recent window (histogram bucket deltas)
+    ttft_count_window: float = 0.0      # how many first tokens that window held
+    generation_tps: float = 0.0         # tokens/s generated over the recent window
+    prompt_tps: float = 0.0             # prompt tokens/s processed over the recent window
+    errors_total: float = 0.0           # scraped failures (finished_reason=error/abort), if exported
+    scrape_failures: int = 0           # consecutive failed scrapes
 
 
 @dataclass(slots=True, eq=False)
@@ -17,20 +44,61 @@ class Replica:
 
     address: str
     pool: str
+    kv_capacity_tokens: int = 0         # policy value or scraped; 0 = unknown (KV headroom not enforced)
+    max_num_seqs: int = 256
+    # this sidecar's own accounting, exact
     inflight_requests: int = 0
-    inflight_tokens: int = 0
+    inflight_tokens: int = 0            # reserved footprint: prompt + expected output of each placed request
+    inflight_prompt_tokens: int = 0
+    placed_since_scrape_tokens: int = 0
+    placed_since_scrape_requests: int = 0
+    prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
+    prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
+    lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
     served_total: int = 0
     errors_total: int = 0
-    draining: bool = False
+    # engine state and health
+    engine: EngineState = field(default_factory=EngineState)
+    state: str = HEALTHY
+    weight: float = 1.0                 # share of normal capacity this replica may take (slow start)
+    draining: bool = False              # operator drain: no new traffic
+    state_since: float = field(default_factory=time.monotonic)
+    state_reason: str = "start"
 
-    def place(self, tokens: int) -> None:
+    def place(self, tokens: int, prompt_tokens: int = 0) -> None:
         self.inflight_requests += 1
         self.inflight_tokens += tokens
+        self.inflight_prompt_tokens += prompt_tokens
+        self.placed_since_scrape_tokens += tokens
+        self.placed_since_scrape_requests += 1
 
-    def release(self, tokens: int) -> None:
+    def release(self, tokens: int, prompt_tokens: int = 0) -> None:
         self.inflight_requests -= 1
         self.inflight_tokens -= tokens
+        self.inflight_prompt_tokens -= prompt_tokens
         self.served_total += 1
+
+    def on_scrape(self, engine: EngineState) -> None:
+        """A fresh scrape already includes what was placed before it: restart the since-scrape counters."""
+        self.engine = engine
+        self.placed_since_scrape_tokens = 0
+        self.placed_since_scrape_requests = 0
+        if engine.kv_capacity_tokens:
+            self.kv_capacity_tokens = engine.kv_capacity_tokens
+
+    @property
+    def routable(self) -> bool:
+        """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
+        return not self.draining and self.state != EJECTED and self.weight > 0
+
+    def kv_used_tokens(self) -> float:
+        """Best estimate of KV tokens in use now: the last scrape plus what this sidecar placed since, and never
+        less than this sidecar's own reservations (a full footprint per request, so no preemption)."""
+        scraped = self.engine.kv_usage * self.kv_capacity_tokens + self.placed_since_scrape_tokens
+        return max(scraped, float(self.inflight_tokens))
+
+    def waiting_estimate(self) -> int:
+        return self.engine.waiting + self.placed_since_scrape_requests
 
 
 @dataclass(eq=False)
@@ -40,14 +108,15 @@ class Pool:
     model: str
     cluster: str
     replicas: list[Replica] = field(default_factory=list)
+    metrics_style: str = "vllm"
 
     @classmethod
     def from_config(cls, cfg: PoolConfig) -> "Pool":
-        return cls(model=cfg.model, cluster=cfg.cluster,
+        return cls(model=cfg.model, cluster=cfg.cluster, metrics_style=cfg.metrics_style,
                    replicas=[Replica(address=a, pool=cfg.model) for a in cfg.replicas])
 
     def candidates(self) -> list[Replica]:
-        return [r for r in self.replicas if not r.draining]
+        return [r for r in self.replicas if r.routable]
 
     def pick(self, tokens: int) -> list[Replica]:
         """Least in-flight tokens first (ties: fewer requests), then the runner-up as the retry fallback.
@@ -68,6 +137,12 @@ class Pool:
             elif second_key is None or key < second_key:
                 second, second_key = r, key
         return [best, second]  # type: ignore[list-item]
+
+    def by_address(self, address: str) -> Replica | None:
+        for r in self.replicas:
+            if r.address == address:
+                return r
+        return None
 
     @property
     def inflight_requests(self) -> int:

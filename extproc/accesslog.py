@@ -1,0 +1,83 @@
+"""Envoy's gRPC access log, received by the sidecar: the authoritative end of every request.
+
+Why: with the cheap response mode (body NONE) the ext_proc stream ends the same way whether the client read
+the whole answer or hung up, and upstreams rarely send trailers. Envoy's access log knows: response flags say
+"downstream connection termination", "upstream request timeout", "upstream reset". So outcomes
+(completed / cancelled / timeout / failed) are counted here, and per-replica signals (errors, time to first
+upstream byte) are handed to whoever listens (routing's health tracking). Entries arrive in batches
+(`buffer_flush_interval`), so the cost is one gRPC message per batch, not per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Callable
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from extproc import metrics as m
+
+log = logging.getLogger("sluice.accesslog")
+
+COMPLETED, CANCELLED, TIMEOUT, FAILED = "completed", "cancelled", "timeout", "failed"
+
+EntryListener = Callable[[str, al.HTTPAccessLogEntry], None]
+
+
+def classify(entry: al.HTTPAccessLogEntry) -> str | None:
+    """Outcome of one finished request, or None for requests the sidecar answered itself (counted as
+    rejections where they happen) and intermediate (still running) entries."""
+    common = entry.common_properties
+    if common.intermediate_log_entry:
+        return None
+    details = entry.response.response_code_details
+    if details.startswith("sluice_"):
+        return None
+    flags = common.response_flags
+    if flags.downstream_connection_termination or flags.downstream_remote_reset:
+        return CANCELLED
+    if flags.upstream_request_timeout or flags.stream_idle_timeout or flags.duration_timeout:
+        return TIMEOUT
+    code = entry.response.response_code.value
+    if (code >= 500 or code == 0 or flags.upstream_remote_reset or flags.upstream_connection_failure
+            or flags.upstream_connection_termination or flags.no_healthy_upstream or flags.local_reset):
+        return FAILED
+    return COMPLETED
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+    """Counts outcomes per pool and notifies listeners with (outcome, entry)."""
+
+    def __init__(self, cluster_to_pool: dict[str, str]) -> None:
+        self._pool_of = cluster_to_pool
+        self._counters: dict[tuple[str, str], object] = {}
+        self.listeners: list[EntryListener] = []
+
+    def _count(self, pool: str, outcome: str) -> None:
+        child = self._counters.get((pool, outcome))
+        if child is None:
+            child = self._counters[(pool, outcome)] = m.REQUESTS.labels(pool, outcome)
+        child.inc()  # type: ignore[attr-defined]
+
+    def handle(self, entry: al.HTTPAccessLogEntry) -> None:
+        outcome = classify(entry)
+        if outcome is None:
+            return
+        pool = self._pool_of.get(entry.common_properties.upstream_cluster)
+        if pool is None:
+            return  # never routed to a pool (e.g. sidecar unreachable with fail-closed)
+        self._count(pool, outcome)
+        for listener in self.listeners:
+            listener(outcome, entry)
+
+    async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+                               context: grpc.aio.ServicerContext) -> als_pb2.StreamAccessLogsResponse:
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                try:
+                    self.handle(entry)
+                except Exception:  # a bad entry must never kill the log stream
+                    log.exception("access log entry could not be handled")
+        return als_pb2.StreamAccessLogsResponse()

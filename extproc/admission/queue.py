@@ -1,0 +1,109 @@
+"""A bounded wait queue for one lane: strict priority classes, token-weighted fair share across tenants.
+
+Fairness is a virtual token counter per tenant (start-time fair queueing over tokens, as in the VTC scheduler
+for LLM serving): when a request is dispatched its tenant's counter advances by the request's tokens divided by
+the tenant's weight, and the next request comes from the backlogged tenant with the lowest counter. A tenant
+that floods at 10x its share only advances its own counter faster; a quiet tenant's next request goes first.
+A tenant that was idle re-enters at the current virtual clock, so idling earns no credit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from extproc.request import LLMRequest
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A request held in the sidecar's queue. `future` resolves to the pin list when it is dispatched."""
+
+    req: LLMRequest
+    lane: int
+    priority: int
+    tenant: str
+    deadline: float
+    enqueued: float
+    future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+
+
+MAX_TRACKED_TENANTS = 10_000  # virtual counters kept for idle tenants; beyond it idle ones are forgotten
+
+
+class FairQueue:
+    def __init__(self, n_priorities: int, tenant_weights: dict[str, float]) -> None:
+        self.levels: list[dict[str, deque[Waiter]]] = [{} for _ in range(n_priorities)]
+        self.weights = tenant_weights
+        self.vtime: dict[str, float] = {}
+        self.clock = 0.0
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, w: Waiter) -> None:
+        level = self.levels[w.priority]
+        dq = level.get(w.tenant)
+        if dq is None:
+            dq = level[w.tenant] = deque()
+            # a tenant (re)entering the backlog starts at the virtual clock: no credit for idling
+            if self.vtime.get(w.tenant, 0.0) < self.clock:
+                if len(self.vtime) >= MAX_TRACKED_TENANTS:
+                    self._forget_idle()
+                self.vtime[w.tenant] = self.clock
+        dq.append(w)
+        self.size += 1
+
+    def peek(self) -> Waiter | None:
+        """The next request to dispatch: highest priority first, then the lowest virtual counter."""
+        for level in self.levels:
+            if level:
+                vt = self.vtime
+                tenant = min(level, key=lambda t: vt.get(t, 0.0)) if len(level) > 1 else next(iter(level))
+                return level[tenant][0]
+        return None
+
+    def has_waiting_at_or_above(self, priority: int) -> bool:
+        return any(self.levels[p] for p in range(priority + 1))
+
+    def pop(self, w: Waiter) -> None:
+        """Remove the peeked waiter as dispatched and charge its tenant."""
+        self._remove(w)
+        charge = w.req.total_tokens / self.weights.get(w.tenant, 1.0)
+        self.vtime[w.tenant] = self.vtime.get(w.tenant, self.clock) + charge
+        if self.vtime[w.tenant] - charge > self.clock:
+            self.clock = self.vtime[w.tenant] - charge
+
+    def remove(self, w: Waiter) -> bool:
+        """Drop a waiter that left (client gone, deadline). False if it was not queued."""
+        try:
+            self._remove(w)
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    def _remove(self, w: Waiter) -> None:
+        level = self.levels[w.priority]
+        dq = level[w.tenant]
+        if dq[0] is w:
+            dq.popleft()
+        else:
+            dq.remove(w)
+        if not dq:
+            del level[w.tenant]
+        self.size -= 1
+
+    def lowest_priority_newest(self, below: int) -> Waiter | None:
+        """The waiter to evict when the queue is full and a more important request arrives."""
+        for p in range(len(self.levels) - 1, below, -1):
+            level = self.levels[p]
+            if level:
+                newest = max((dq[-1] for dq in level.values()), key=lambda w: w.enqueued)
+                return newest
+        return None
+
+    def _forget_idle(self) -> None:
+        backlogged = {t for level in self.levels for t in level}
+        self.vtime = {t: v for t, v in self.vtime.items() if t in backlogged}

@@ -1,0 +1,239 @@
+"""When a request may enter: dispatch at once if a replica fits it, else hold it in its lane's queue until one
+does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
+
+    submit ─► never fits? ─► 400 context_length_exceeded
+           ─► deadline already unmeetable? ─► 429 x-should-retry: false
+           ─► nobody ahead and a replica fits ─► dispatched now
+           ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
+           ─► queued ─► dispatched by `kick` (on every release, scrape, health change, and a short timer)
+                     └► deadline passes ─► 429 (503 if the pool is down), retry-after from the drain rate
+
+All of it is synchronous bookkeeping on the event loop; the only await is the held request's own future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+from extproc.admission import metrics as am
+from extproc.admission.policy import AdmissionPolicy
+from extproc.admission.queue import FairQueue, Waiter
+from extproc.request import PRIORITIES, LLMRequest
+from extproc.routing.placement import Placer
+from extproc.routing.pool import Pool, Replica
+
+
+class Shed(Exception):
+    """Reply now instead of queueing or forwarding."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
+                 should_retry: bool | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+        self.retry_after_s, self.should_retry = retry_after_s, should_retry
+
+
+@dataclass(slots=True)
+class Placement:
+    """What a dispatched request holds until its stream ends."""
+
+    replica: Replica
+    pins: list[Replica]
+    lane: int
+
+
+class DrainRate:
+    """Dispatches per second over a short horizon (EWMA), for retry-after."""
+
+    __slots__ = ("rate", "last")
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self.last = 0.0
+
+    def tick(self, now: float) -> None:
+        if self.last:
+            dt = max(now - self.last, 1e-3)
+            alpha = min(1.0, dt / 5.0)
+            self.rate = (1 - alpha) * self.rate + alpha * (1.0 / dt)
+        self.last = now
+
+    def current(self, now: float) -> float:
+        if not self.last:
+            return 0.0
+        idle = now - self.last
+        return self.rate if idle < 5.0 else self.rate * 5.0 / idle
+
+
+class Scheduler:
+    """One per pool."""
+
+    def __init__(self, pool: Pool, policy: AdmissionPolicy, placer: Placer) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.placer = placer
+        n = len(policy.lanes)
+        self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights) for _ in range(n)]
+        self.lane_requests = [0] * n
+        self.lane_tokens = [0] * n
+        self.drain = [DrainRate() for _ in range(n)]
+        self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
+        self._timer: asyncio.TimerHandle | None = None
+        self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
+
+    # ---- submit ----------------------------------------------------------------------------------------
+    def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:
+        """Dispatch now (Placement), or queue (Waiter whose future resolves to a Placement). Raises Shed."""
+        pol = self.policy
+        lane = pol.lane_for(req.prompt_tokens)
+        if req.total_tokens > self.placer.max_footprint():
+            self.m.shed(lane, "never_fits")
+            raise Shed(400, "context_length_exceeded",
+                       f"this request needs about {req.total_tokens} tokens of KV cache (prompt "
+                       f"{req.prompt_tokens} + output {req.expected_output_tokens}); no replica of {req.model} "
+                       f"can hold more than {int(self.placer.max_footprint())}. Shorten the prompt or max_tokens.",
+                       should_retry=False)
+        wait_budget = self._wait_budget(req, now)
+        if wait_budget <= 0:
+            self.m.shed(lane, "deadline_unmeetable")
+            raise Shed(429, "deadline_unmeetable",
+                       "the gateway cannot start this request before the client's own timeout",
+                       retry_after_s=self.retry_after(lane, now), should_retry=False)
+        prio = self.prio_index.get(req.priority, 0)
+        queue = self.queues[lane]
+        if not queue.has_waiting_at_or_above(prio):
+            placed = self._try_place(req, lane, now)
+            if placed is not None:
+                self.m.admitted(lane, queued=False)
+                return placed
+        if len(queue) >= pol.lanes[lane].max_queue:
+            victim = queue.lowest_priority_newest(below=prio)
+            if victim is None:
+                self.m.shed(lane, "queue_full")
+                raise self._overload(lane, now, "queue_full",
+                                     f"the {pol.lanes[lane].name} queue of {req.model} is full")
+            queue.remove(victim)
+            self.m.shed(lane, "evicted")
+            victim.future.set_exception(self._overload(lane, now, "evicted",
+                                                       "displaced by higher-priority traffic"))
+        waiter = Waiter(req=req, lane=lane, priority=prio, tenant=req.tenant, deadline=now + wait_budget,
+                        enqueued=now, future=asyncio.get_running_loop().create_future())
+        queue.push(waiter)
+        self.m.queued(lane, prio, +1)
+        self._arm_timer()
+        return waiter
+
+    def _wait_budget(self, req: LLMRequest, now: float) -> float:
+        budget = self.policy.max_wait_s
+        if req.client_timeout_s is not None:
+            service = (req.prompt_tokens / self.placer.rate
+                       + req.max_output_tokens * self.policy.decode_s_per_token * (1.0 if req.stream else 1.0))
+            left = req.client_timeout_s - (now - req.arrival) - (0.0 if req.stream else service)
+            budget = min(budget, left)
+        return budget
+
+    def _lane_allows(self, lane: int, req: LLMRequest) -> bool:
+        lp = self.policy.lanes[lane]
+        if lp.max_concurrency and self.lane_requests[lane] >= lp.max_concurrency:
+            return False
+        if lp.max_inflight_tokens and self.lane_tokens[lane] + req.total_tokens > lp.max_inflight_tokens:
+            return self.lane_requests[lane] == 0  # one oversized request may run alone
+        return True
+
+    def _try_place(self, req: LLMRequest, lane: int, now: float) -> Placement | None:
+        if not self._lane_allows(lane, req):
+            return None
+        pins = self.placer.choose(req, lane, now)
+        if pins is None:
+            self.m.saturated(self.placer.last_reasons)
+            return None
+        primary = pins[0]
+        self.placer.commit(primary, req, lane, now)
+        self.lane_requests[lane] += 1
+        self.lane_tokens[lane] += req.total_tokens
+        self.drain[lane].tick(now)
+        return Placement(primary, pins, lane)
+
+    # ---- dispatch from the queues ---------------------------------------------------------------------
+    def kick(self, now: float | None = None) -> int:
+        """Dispatch every queued request that fits now, lane by lane. Returns how many were dispatched."""
+        now = time.monotonic() if now is None else now
+        dispatched = 0
+        for lane, queue in enumerate(self.queues):
+            while queue.size:
+                w = queue.peek()
+                assert w is not None
+                if w.future.done():  # cancelled or expired but not yet removed
+                    queue.remove(w)
+                    self.m.queued(lane, w.priority, -1)
+                    continue
+                placed = self._try_place(w.req, lane, now)
+                if placed is None:
+                    break
+                queue.pop(w)
+                self.m.queued(lane, w.priority, -1)
+                self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
+                w.future.set_result(placed)
+                dispatched += 1
+        return dispatched
+
+    def _arm_timer(self) -> None:
+        """While anything waits, re-check every 50 ms: prefill backlog estimates decay with time alone."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(0.05, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.kick()
+        if any(q.size for q in self.queues):
+            self._arm_timer()
+
+    # ---- leaving the queue without dispatch ------------------------------------------------------------
+    def abandon(self, w: Waiter) -> None:
+        """The client left (or the waiter's own wait ended): drop it from the queue at once."""
+        if self.queues[w.lane].remove(w):
+            self.m.queued(w.lane, w.priority, -1)
+
+    def expired(self, w: Waiter, now: float) -> Shed:
+        self.abandon(w)
+        self.m.shed(w.lane, "deadline")
+        return self._overload(w.lane, now, "queue_timeout",
+                              f"waited {now - w.enqueued:.1f}s for capacity on {self.pool.model}")
+
+    def _overload(self, lane: int, now: float, code: str, message: str) -> Shed:
+        if not self.pool_up(now):
+            return Shed(503, "pool_unavailable", f"no replica of {self.pool.model} is available; " + message,
+                        retry_after_s=5.0, should_retry=True)
+        return Shed(429, code, message + "; retry later", retry_after_s=self.retry_after(lane, now),
+                    should_retry=True)
+
+    def pool_up(self, now: float) -> bool:
+        fresh = self.placer.is_fresh
+        return any(r.routable and (fresh is None or fresh(r, now)) for r in self.pool.replicas)
+
+    def retry_after(self, lane: int, now: float) -> float:
+        """How long until the queue ahead would drain at the recent dispatch rate (0.2 s .. 60 s)."""
+        rate = self.drain[lane].current(now)
+        ahead = len(self.queues[lane]) + 1
+        if rate <= 0:
+            return 1.0
+        return min(60.0, max(0.2, ahead / rate))
+
+    # ---- end of a dispatched request -------------------------------------------------------------------
+    def release(self, placement: Placement, req: LLMRequest) -> None:
+        self.placer.release(placement.replica, req, placement.lane)
+        self.lane_requests[placement.lane] -= 1
+        self.lane_tokens[placement.lane] -= req.total_tokens
+        self.m.released(placement.lane)
+        if any(q.size for q in self.queues):
+            self.kick()
+
+    def queued_total(self) -> int:
+        return sum(q.size for q in self.queues)
+
+
+def ceil_ms(seconds: float) -> int:
+    return int(math.ceil(seconds * 1000))

@@ -1,0 +1,272 @@
+"""Budgets: the facade the server calls on the hot path (retry budget P5, task budgets P11, tenant tokens per minute,
+prompt cost shift P10).
+
+    budgets = Budgets(BudgetPolicy.from_dict(cfg.get("budgets")), capacity_tokens_per_s=fn, sidecar_count_hint=n)
+    await budgets.start()
+    try:
+        charge = await budgets.admit(req)          # raises BudgetExceeded: answer with e.status / e.headers()
+    except BudgetExceeded as e: ...
+    try: ... forward the request ...
+    finally:
+        await budgets.settle(charge, completed=saw_end_of_stream, prompt_tokens=pt, completion_tokens=ct)
+
+Synchronous callers (memory store only, `budgets.is_sync`): `admit_sync(req)` / `settle_sync(charge, ...)`, same
+semantics; with Redis `settle_sync` schedules the async settle on the running loop.
+
+Cost: with the memory store `admit` and `settle` never yield to the event loop (no I/O); with Redis each is ONE
+round trip (a Lua script doing every check, then every charge, atomically). A request refused by `admit` leaves
+nothing charged. The order of checks: loop depth (local), duplicate in flight (409), retry share, task budget,
+tenant tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from extproc.budgets import store as _store
+from extproc.budgets.errors import BudgetExceeded
+from extproc.budgets.keys import ident
+from extproc.budgets.policy import (
+    BudgetPolicy,
+    PromptShiftPolicy,
+    RedisPolicy,
+    RetryPolicy,
+    StorePolicy,
+    TaskPolicy,
+    TenantPolicy,
+)
+from extproc.budgets.prompt_shift import PromptShiftTracker
+from extproc.budgets.retry import RetryBudget
+from extproc.budgets.store import AdmitOp, MemoryStore, RedisStore, SettleOp
+from extproc.budgets.tasks import TaskBudget
+from extproc.budgets.tenants import WINDOW_S, TenantBudget
+from extproc.request import LLMRequest
+
+__all__ = ["Budgets", "BudgetExceeded", "Charge", "BudgetPolicy", "StorePolicy", "RedisPolicy", "RetryPolicy",
+           "TaskPolicy", "TenantPolicy", "PromptShiftPolicy", "MemoryStore", "RedisStore", "PromptShiftTracker"]
+
+log = logging.getLogger("sluice.budgets")
+
+
+class Charge:
+    """What `admit` charged for one request; hand it back to `settle` exactly once (extra calls are no-ops)."""
+
+    __slots__ = ("token", "backend", "admitted_at", "tenant", "app", "model", "prefix_key", "is_retry",
+                 "est_prompt", "est_total", "markers", "task_key", "task_active_key", "task_member", "task_on",
+                 "task_active_on", "q_name", "q_idx", "q_on", "settled")
+
+    def __init__(self, token: str, backend: str, now: float, req: LLMRequest, is_retry: bool) -> None:
+        self.token = token
+        self.backend = backend
+        self.admitted_at = now
+        self.tenant = req.tenant
+        self.app = req.app
+        self.model = req.model
+        self.prefix_key = req.prefix_key
+        self.is_retry = is_retry
+        self.est_prompt = req.prompt_tokens
+        self.est_total = req.total_tokens
+        self.markers: tuple[str, ...] = ()
+        self.task_on = False
+        self.task_active_on = False
+        self.q_on = False
+        self.settled = False
+
+    def __repr__(self) -> str:
+        return (f"Charge(token={self.token!r}, backend={self.backend}, tenant={self.tenant!r}, "
+                f"is_retry={self.is_retry}, est_total={self.est_total}, settled={self.settled})")
+
+
+class Budgets:
+    """Every budget behind two calls: `admit` (check and charge) and `settle` (release and correct)."""
+
+    def __init__(self, policy: BudgetPolicy | None = None,
+                 capacity_tokens_per_s: Callable[[str], float] | None = None,
+                 sidecar_count_hint: int = 1) -> None:
+        self.policy = policy = policy or BudgetPolicy()
+        if sidecar_count_hint < 1:
+            raise ValueError(f"sidecar_count_hint must be >= 1, got {sidecar_count_hint!r}")
+        share = policy.store.fallback_share
+        if share is None:
+            share = 1.0 / sidecar_count_hint
+        self.share = share
+        self.store: MemoryStore | RedisStore
+        if policy.store.kind == "redis":
+            self.store = RedisStore(policy.store.redis, fallback_share=share)
+        else:
+            self.store = MemoryStore(share=share)
+        self._memory = self.store if isinstance(self.store, MemoryStore) else None
+        self.retry = RetryBudget(policy.retry)
+        self.tasks = TaskBudget(policy.tasks)
+        self.tenants = TenantBudget(policy.tenants)
+        self.prompt_shift = PromptShiftTracker(policy.prompt_shift, capacity_tokens_per_s)
+        self._tokens = itertools.count(1)
+        self._token_prefix = os.urandom(6).hex() + "-"
+        self._settle_errors = 0
+
+    async def start(self) -> None:
+        await self.store.start()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    @property
+    def degraded(self) -> bool:
+        return self.store.degraded
+
+    @property
+    def is_sync(self) -> bool:
+        """True with the memory store: `admit_sync` / `settle_sync` may be called from synchronous code."""
+        return self._memory is not None
+
+    # ------------------------------------------------------------------------------------------------ admit
+    async def admit(self, req: LLMRequest, now: float | None = None) -> Charge:
+        """Check every budget and charge them all, or raise BudgetExceeded having charged nothing."""
+        if now is None:
+            now = time.time()
+        op = self._admit_op(req, now)
+        if op is None:
+            return Charge(self._token_prefix, _store.BACKEND_MEMORY, now, req, req.retry_count > 0)
+        mem = self._memory
+        res = mem.admit_sync(op) if mem is not None else await self.store.admit(op)
+        return self._admitted(req, op, res)
+
+    def admit_sync(self, req: LLMRequest, now: float | None = None) -> Charge:
+        """`admit` for synchronous callers; memory store only (raises RuntimeError with Redis)."""
+        mem = self._memory
+        if mem is None:
+            raise RuntimeError("Budgets.admit_sync needs the memory store; with Redis await admit()")
+        if now is None:
+            now = time.time()
+        op = self._admit_op(req, now)
+        if op is None:
+            return Charge(self._token_prefix, _store.BACKEND_MEMORY, now, req, req.retry_count > 0)
+        return self._admitted(req, op, mem.admit_sync(op))
+
+    def _admit_op(self, req: LLMRequest, now: float) -> AdmitOp | None:
+        """Local checks (raise), then the store operation; None when no budget applies to this request."""
+        self.tasks.check_local(req)
+        tenant = ident(req.tenant)
+        op = AdmitOp(now, self._token_prefix + str(next(self._tokens)))
+        self.retry.prepare(op, req, tenant)
+        self.tasks.prepare(op, req, tenant)
+        self.tenants.prepare(op, req, tenant)
+        if not (op.markers or op.r_on or op.t_on or op.q_on):
+            return None
+        return op
+
+    def _admitted(self, req: LLMRequest, op: AdmitOp, res: _store.AdmitResult) -> Charge:
+        code = res.code
+        if code != _store.OK:
+            if code == _store.DUPLICATE or code == _store.RETRY_BUDGET:
+                raise self.retry.rejection(req, res)
+            if res.is_retry:
+                self.retry.seen_rejected(req)
+            if code == _store.TASK_LIMIT:
+                raise self.tasks.rejection(req, res)
+            raise self.tenants.rejection(req, res)
+        if res.is_retry:
+            self.retry.admitted(req, True)
+        charge = Charge(op.token, res.backend, op.now, req, res.is_retry)
+        charge.markers = op.markers
+        if op.t_on:
+            charge.task_on = True
+            charge.task_key = op.t_key
+            charge.task_active_key = op.t_active_key
+            charge.task_member = op.t_member
+            charge.task_active_on = op.t_max_active > 0
+        if op.q_on:
+            charge.q_on = True
+            charge.q_name = op.q_name
+            charge.q_idx = _store.window_index(op.now, op.q_window_s)[0]
+        return charge
+
+    # ------------------------------------------------------------------------------------------------ settle
+    async def settle(self, charge: Charge | None, *, completed: bool, prompt_tokens: int | None = None,
+                     completion_tokens: int | None = None, now: float | None = None) -> None:
+        """Release in-flight markers, correct token charges to actual usage (estimate kept where unknown), feed
+        the prompt-shift tracker for completed requests. Never raises; a second call for one charge is a no-op.
+
+        A request that never reached a replica (shed after admission) should pass prompt_tokens=0,
+        completion_tokens=0: its tokens are refunded (the task call stays counted)."""
+        if charge is None or charge.settled:
+            return
+        charge.settled = True
+        try:
+            op, actual, pt = self._settle_op(charge, prompt_tokens, completion_tokens, now)
+            if op is not None:
+                mem = self._memory
+                if mem is not None:
+                    mem.settle_sync(op)
+                else:
+                    await self.store.settle(op, charge.backend)
+            self._settled(charge, completed, actual, pt, completion_tokens, op.now if op else now)
+        except Exception:  # settle runs in `finally`: never mask the request's own outcome
+            self._settle_failed()
+
+    def settle_sync(self, charge: Charge | None, *, completed: bool, prompt_tokens: int | None = None,
+                    completion_tokens: int | None = None, now: float | None = None) -> None:
+        """`settle` for synchronous callers; with the Redis store the release is scheduled on the running loop."""
+        if charge is None or charge.settled:
+            return
+        if self._memory is None:
+            asyncio.get_running_loop().create_task(
+                self.settle(charge, completed=completed, prompt_tokens=prompt_tokens,
+                            completion_tokens=completion_tokens, now=now))
+            return
+        charge.settled = True
+        try:
+            op, actual, pt = self._settle_op(charge, prompt_tokens, completion_tokens, now)
+            if op is not None:
+                self._memory.settle_sync(op)
+            self._settled(charge, completed, actual, pt, completion_tokens, op.now if op else now)
+        except Exception:
+            self._settle_failed()
+
+    def _settle_op(self, charge: Charge, prompt_tokens: int | None, completion_tokens: int | None,
+                   now: float | None) -> tuple[SettleOp | None, int, int]:
+        pt = charge.est_prompt if prompt_tokens is None else prompt_tokens
+        ct = (charge.est_total - charge.est_prompt) if completion_tokens is None else completion_tokens
+        actual = pt + ct
+        if not (charge.markers or charge.task_on or charge.q_on):
+            return None, actual, pt
+        delta = actual - charge.est_total
+        op = SettleOp(time.time() if now is None else now, charge.token)
+        op.markers = charge.markers
+        op.dedupe_ttl_s = self.policy.retry.dedupe_window_s
+        if charge.task_on:
+            op.t_on = True
+            op.t_key = charge.task_key
+            op.t_active_key = charge.task_active_key
+            op.t_member = charge.task_member
+            op.t_delta = delta
+            op.t_active_on = charge.task_active_on
+            op.t_idle_s = self.policy.tasks.idle_s
+        if charge.q_on:
+            op.q_on = True
+            op.q_name = charge.q_name
+            op.q_window_s = WINDOW_S
+            op.q_idx = charge.q_idx
+            op.q_delta = delta
+        return op, actual, pt
+
+    def _settled(self, charge: Charge, completed: bool, actual: int, pt: int, completion_tokens: int | None,
+                 now: float | None) -> None:
+        self.tenants.charged(charge.tenant, actual)
+        if completed:
+            self.prompt_shift.observe(charge.app, charge.model, charge.prefix_key, pt, completion_tokens, now)
+
+    def _settle_failed(self) -> None:
+        self._settle_errors += 1
+        if self._settle_errors <= 10 or self._settle_errors % 1000 == 0:
+            log.exception("budgets: settle failed (%d so far)", self._settle_errors)
+
+    # ------------------------------------------------------------------------------------------------ admin
+    def snapshot(self) -> dict[str, Any]:
+        """State for the admin API: store health and the prompt-shift view per app."""
+        return {"store": self.store.stats(), "prompt_shift": self.prompt_shift.snapshot()}

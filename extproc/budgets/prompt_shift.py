@@ -1,0 +1,307 @@
+"""Prompt cost shift detection (P10): an app's tokens per request changed, and so did the pool's capacity for it.
+
+Per app (and, for the admin view, per system-prompt fingerprint `prefix_key` within the app) every completed
+request contributes cost = prompt tokens + completion tokens (completion unknown -> the app's running mean of
+known completions). Per request, O(K) with K = sustain_requests (a small constant, default 5):
+
+  recent    = MEDIAN cost of the last K requests (ring buffer). A median, so a burst shorter than K/2 requests
+              never moves it and one shorter than K never alerts.
+  baseline  = the same statistic, smoothed: the mean of the warm-up medians (first `baseline_requests` requests),
+              then an EWMA (alpha = 1 / baseline_requests) of `recent`, updated only while no shift is suspected,
+              so a shift never leaks into the baseline it is measured against. Comparing median with median keeps
+              skewed cost distributions (median < mean) from looking like a shift.
+  ratio     = recent / baseline; a request is "shifted" when |ratio - 1| > threshold.
+  After K shifted requests in a row (the recent window then holds only post-change requests for a step change)
+  ONE event: metric `sluice_prompt_shift_events_total{app}` and one structured log record (logger
+  `sluice.budgets.prompt_shift`, `extra={"event": "prompt_shift", ...}`) with the app, old and new MEAN
+  tokens/request (prompt and completion too), the old and new fingerprint, and the pool capacity in requests/s at
+  both costs = capacity_tokens_per_s(model) / cost. Old mean = EWMA of costs as they leave the recent window while
+  stable; new mean = mean of the last K requests. The baseline then moves to the new level.
+
+State is bounded: at most `max_apps` apps (later apps collapse into `other`, which is tracked but never alerts)
+and `max_fingerprints_per_app` fingerprints per app (least recently seen evicted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+from extproc.budgets import metrics
+from extproc.budgets.policy import PromptShiftPolicy
+
+log = logging.getLogger("sluice.budgets.prompt_shift")
+
+OTHER = metrics.OTHER
+
+
+def fingerprint_hex(prefix_key: int) -> str:
+    return f"{prefix_key & 0xFFFFFFFF:08x}"
+
+
+class _Fingerprint:
+    __slots__ = ("requests", "mean_prompt", "mean_completion", "last_seen")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.mean_prompt = 0.0
+        self.mean_completion = 0.0
+        self.last_seen = 0.0
+
+
+class _App:
+    __slots__ = ("name", "model", "requests", "warm_n", "warm_prompt", "warm_completion",
+                 "baseline", "base_prompt", "base_completion", "base_med", "warm_med", "warm_med_n",
+                 "completion_mean", "completion_known",
+                 "ring_p", "ring_c", "ring_f", "pos", "filled", "sum_p", "sum_c", "over", "run_fps", "stable_fp",
+                 "fps", "events", "last_event", "ratio",
+                 "g_total", "g_prompt", "g_completion", "g_base", "g_ratio", "c_events")
+
+    def __init__(self, name: str, k: int) -> None:
+        self.name = name
+        self.model = ""
+        self.requests = 0
+        self.warm_n = 0
+        self.warm_prompt = 0.0
+        self.warm_completion = 0.0
+        self.baseline: float | None = None
+        self.base_prompt = 0.0
+        self.base_completion = 0.0
+        self.base_med = 0.0
+        self.warm_med = 0.0
+        self.warm_med_n = 0
+        self.completion_mean = 0.0
+        self.completion_known = 0
+        self.ring_p = [0.0] * k
+        self.ring_c = [0.0] * k
+        self.ring_f = [0] * k
+        self.pos = 0
+        self.filled = 0
+        self.sum_p = 0.0
+        self.sum_c = 0.0
+        self.over = 0
+        self.run_fps: dict[int, int] = {}
+        self.stable_fp: int | None = None
+        self.fps: OrderedDict[int, _Fingerprint] = OrderedDict()
+        self.events = 0
+        self.last_event: dict[str, Any] | None = None
+        self.ratio = 1.0
+        self.g_total = metrics.PROMPT_COST.labels(name, "total")
+        self.g_prompt = metrics.PROMPT_COST.labels(name, "prompt")
+        self.g_completion = metrics.PROMPT_COST.labels(name, "completion")
+        self.g_base = metrics.PROMPT_BASELINE.labels(name)
+        self.g_ratio = metrics.PROMPT_SHIFT_RATIO.labels(name)
+        self.c_events = metrics.PROMPT_SHIFT_EVENTS.labels(name)
+
+
+class PromptShiftTracker:
+    """Feed `observe()` once per completed request; read `snapshot()` for the admin API.
+
+    `capacity_tokens_per_s(model) -> tokens/s` is the pool's token throughput, supplied by the server; when it is
+    None or fails, capacities are reported as None.
+    """
+
+    def __init__(self, policy: PromptShiftPolicy | None = None,
+                 capacity_tokens_per_s: Callable[[str], float] | None = None) -> None:
+        self.policy = policy or PromptShiftPolicy()
+        self.capacity_tokens_per_s = capacity_tokens_per_s
+        self._k = self.policy.sustain_requests
+        self._alpha = 1.0 / self.policy.baseline_requests
+        self._apps: dict[str, _App] = {}
+        self.events: list[dict[str, Any]] = []  # the last few events (bounded), newest last
+        self._max_events = 32
+
+    def _app(self, name: str) -> _App:
+        st = self._apps.get(name)
+        if st is None:
+            if len(self._apps) >= self.policy.max_apps:
+                name = OTHER
+                st = self._apps.get(OTHER)
+            if st is None:
+                st = self._apps[name] = _App(name, self._k)
+        return st
+
+    def observe(self, app: str, model: str, prefix_key: int, prompt_tokens: int,
+                completion_tokens: int | None, now: float | None = None) -> dict[str, Any] | None:
+        """Account one completed request. Returns the event dict when this request completed a shift."""
+        if not self.policy.enabled:
+            return None
+        st = self._app(app)
+        st.model = model
+        st.requests += 1
+        prompt = float(prompt_tokens)
+        if completion_tokens is None:
+            completion = st.completion_mean
+        else:
+            completion = float(completion_tokens)
+            st.completion_known += 1
+            span = min(st.completion_known, self.policy.baseline_requests)
+            st.completion_mean += (completion - st.completion_mean) / span
+        self._fingerprint(st, prefix_key, prompt, completion, now)
+        # recent window: ring buffer with running sums
+        k = self._k
+        i = st.pos
+        out_p, out_c, out_f = st.ring_p[i], st.ring_c[i], st.ring_f[i]
+        evicted = st.filled == k
+        st.ring_p[i] = prompt
+        st.ring_c[i] = completion
+        st.ring_f[i] = prefix_key
+        st.pos = (i + 1) % k
+        if evicted:
+            st.sum_p += prompt - out_p
+            st.sum_c += completion - out_c
+        else:
+            st.filled += 1
+            st.sum_p += prompt
+            st.sum_c += completion
+        n = st.filled
+        mean = (st.sum_p + st.sum_c) / n
+        st.g_total.set(mean)
+        st.g_prompt.set(st.sum_p / n)
+        st.g_completion.set(st.sum_c / n)
+        costs = sorted([st.ring_p[j] + st.ring_c[j] for j in range(n)])
+        med = costs[n // 2] if n % 2 else (costs[n // 2 - 1] + costs[n // 2]) / 2
+        if st.baseline is None:  # warming up
+            st.warm_n += 1
+            st.warm_prompt += prompt
+            st.warm_completion += completion
+            if n == k:
+                st.warm_med += med
+                st.warm_med_n += 1
+            if st.warm_n >= self.policy.baseline_requests:
+                st.base_prompt = st.warm_prompt / st.warm_n
+                st.base_completion = st.warm_completion / st.warm_n
+                st.baseline = st.base_prompt + st.base_completion
+                st.base_med = st.warm_med / st.warm_med_n if st.warm_med_n else med
+                st.stable_fp = prefix_key
+                st.g_base.set(st.baseline)
+            return None
+        a = self._alpha
+        if evicted and st.over == 0:  # drift: the old mean learns what left the recent window unshifted
+            st.stable_fp = out_f
+            st.base_prompt += a * (out_p - st.base_prompt)
+            st.base_completion += a * (out_c - st.base_completion)
+            st.baseline = st.base_prompt + st.base_completion
+            st.g_base.set(st.baseline)
+        ratio = med / st.base_med if st.base_med > 0 else (1.0 if med <= 0 else float("inf"))
+        st.ratio = ratio
+        st.g_ratio.set(ratio)
+        if abs(ratio - 1.0) <= self.policy.threshold:
+            st.over = 0
+            st.run_fps.clear()
+            st.base_med += a * (med - st.base_med)
+            return None
+        st.over += 1
+        st.run_fps[prefix_key] = st.run_fps.get(prefix_key, 0) + 1
+        if st.over < k or st.name == OTHER:
+            return None
+        return self._emit(st, mean, med, now)
+
+    def _fingerprint(self, st: _App, fp: int, prompt: float, completion: float, now: float | None) -> None:
+        fps = st.fps
+        f = fps.get(fp)
+        if f is None:
+            if len(fps) >= self.policy.max_fingerprints_per_app:
+                fps.popitem(last=False)
+            f = fps[fp] = _Fingerprint()
+        else:
+            fps.move_to_end(fp)
+        f.requests += 1
+        span = min(f.requests, self.policy.baseline_requests)
+        f.mean_prompt += (prompt - f.mean_prompt) / span
+        f.mean_completion += (completion - f.mean_completion) / span
+        f.last_seen = time.time() if now is None else now
+
+    def _capacity(self, model: str, cost: float) -> float | None:
+        fn = self.capacity_tokens_per_s
+        if fn is None or cost <= 0:
+            return None
+        try:
+            cap = float(fn(model))
+        except Exception:  # the integrator's callable must not break settle
+            log.debug("capacity_tokens_per_s(%r) failed", model, exc_info=True)
+            return None
+        return cap / cost if cap > 0 else None
+
+    def _emit(self, st: _App, recent: float, med: float, now: float | None) -> dict[str, Any]:
+        k = st.filled
+        old = st.baseline or 0.0
+        new_fp = max(st.run_fps.items(), key=lambda kv: kv[1])[0]
+        cap_tps = None
+        if self.capacity_tokens_per_s is not None:
+            try:
+                cap_tps = float(self.capacity_tokens_per_s(st.model))
+            except Exception:
+                cap_tps = None
+        event = {
+            "event": "prompt_shift",
+            "app": st.name,
+            "model": st.model,
+            "old_tokens_per_request": round(old, 1),
+            "new_tokens_per_request": round(recent, 1),
+            "old_prompt_tokens": round(st.base_prompt, 1),
+            "new_prompt_tokens": round(st.sum_p / k, 1),
+            "old_completion_tokens": round(st.base_completion, 1),
+            "new_completion_tokens": round(st.sum_c / k, 1),
+            "ratio": round(recent / old, 3) if old > 0 else None,
+            "median_ratio": round(st.ratio, 3),
+            "old_fingerprint": fingerprint_hex(st.stable_fp) if st.stable_fp is not None else None,
+            "new_fingerprint": fingerprint_hex(new_fp),
+            "capacity_tokens_per_s": cap_tps,
+            "old_capacity_rps": self._capacity(st.model, old),
+            "new_capacity_rps": self._capacity(st.model, recent),
+            "at": time.time() if now is None else now,
+        }
+        st.events += 1
+        st.last_event = event
+        st.c_events.inc()
+        st.base_prompt = st.sum_p / k
+        st.base_completion = st.sum_c / k
+        st.baseline = recent
+        st.base_med = med
+        st.g_base.set(recent)
+        st.ratio = 1.0
+        st.g_ratio.set(1.0)
+        st.over = 0
+        st.run_fps.clear()
+        st.stable_fp = new_fp
+        self.events.append(event)
+        if len(self.events) > self._max_events:
+            del self.events[0]
+        old_rps, new_rps = event["old_capacity_rps"], event["new_capacity_rps"]
+        cap_txt = (f"; pool capacity {old_rps:.3g} -> {new_rps:.3g} requests/s"
+                   if old_rps is not None and new_rps is not None else "")
+        log.warning("prompt cost shift: app %s now costs %.0f tokens/request (was %.0f), system prompt %s%s",
+                    st.name, recent, old, event["new_fingerprint"], cap_txt, extra=event)
+        return event
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Current state per app for the admin API (cheap: O(apps x fingerprints), bounded)."""
+        out = []
+        for st in self._apps.values():
+            n = st.filled or 1
+            recent = (st.sum_p + st.sum_c) / n if st.filled else None
+            out.append({
+                "app": st.name,
+                "model": st.model,
+                "requests": st.requests,
+                "baseline_tokens_per_request": None if st.baseline is None else round(st.baseline, 1),
+                "recent_tokens_per_request": None if recent is None else round(recent, 1),
+                "baseline_median_tokens": round(st.base_med, 1),
+                "recent_prompt_tokens": round(st.sum_p / n, 1),
+                "recent_completion_tokens": round(st.sum_c / n, 1),
+                "ratio": round(st.ratio, 3),
+                "shifting": st.over > 0,
+                "shift_events": st.events,
+                "last_event": st.last_event,
+                "capacity_rps": None if recent is None else self._capacity(st.model, recent),
+                "fingerprints": [
+                    {"fingerprint": fingerprint_hex(fp), "requests": f.requests,
+                     "mean_prompt_tokens": round(f.mean_prompt, 1),
+                     "mean_completion_tokens": round(f.mean_completion, 1), "last_seen": f.last_seen}
+                    for fp, f in reversed(st.fps.items())
+                ],
+            })
+        return out

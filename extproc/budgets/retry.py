@@ -1,0 +1,90 @@
+"""Retry budget (P5): recognise retries, cap their share of admitted traffic, refuse duplicates still in flight.
+
+Recognition (any one suffices):
+  - `retry_count > 0` (the SDK's `x-stainless-retry-count` header);
+  - the request's idempotency key, request id, or body fingerprint (each scoped to the tenant) was seen on an
+    admitted request within `dedupe_window_s` after that request finished.
+If one of those identities belongs to a request STILL in flight, the new one is a duplicate: 409
+`duplicate_in_flight` (the openai SDK does not retry 409), so a client that timed out cannot double the load while
+the original still runs.
+
+Share cap, per pool (model) and per tenant, over a sliding window of `window_s`:
+    a retry is admitted  iff  retries + 1 <= max(floor, max_share * (admitted + 1))
+where `admitted` counts every admitted request (retries included) in the window. `floor` lets a quiet pool retry
+at all. Over the cap: 429 `retry_budget_exceeded` with `x-should-retry: false` (retrying cannot help: the pool is
+already retrying too much) and Retry-After = the window.
+
+The checks and the counters live in the store's combined admit (one round trip with Redis).
+"""
+
+from __future__ import annotations
+
+from extproc.budgets import metrics
+from extproc.budgets.errors import BudgetExceeded
+from extproc.budgets.keys import ident
+from extproc.budgets.policy import RetryPolicy
+from extproc.budgets.store import AdmitOp, AdmitResult
+from extproc.request import LLMRequest
+
+CODE_BUDGET = "retry_budget_exceeded"
+CODE_DUPLICATE = "duplicate_in_flight"
+
+_KIND_NAMES = {"i": "idempotency key", "r": "request id", "f": "request body"}
+
+
+class RetryBudget:
+    def __init__(self, policy: RetryPolicy, max_pools: int = 64) -> None:
+        self.policy = policy
+        self.enabled = policy.enabled
+        self._seen = metrics.BoundedLabels(metrics.RETRIES_SEEN, max_pools)
+        self._allowed = metrics.BoundedLabels(metrics.RETRIES_ALLOWED, max_pools)
+        self._rej_budget = metrics.BoundedLabels(metrics.RETRIES_REJECTED, max_pools, reason="budget")
+        self._rej_dup = metrics.BoundedLabels(metrics.RETRIES_REJECTED, max_pools, reason=CODE_DUPLICATE)
+
+    def markers(self, req: LLMRequest, tenant: str) -> tuple[str, ...]:
+        p = self.policy
+        out = []
+        if p.use_idempotency_key and req.idempotency_key:
+            out.append(f"m:{tenant}:i:{ident(req.idempotency_key)}")
+        if p.use_request_id and req.request_id:
+            out.append(f"m:{tenant}:r:{ident(req.request_id)}")
+        if p.use_fingerprint and req.body_fingerprint:
+            out.append(f"m:{tenant}:f:{req.body_fingerprint.hex()}")
+        return tuple(out)
+
+    def prepare(self, op: AdmitOp, req: LLMRequest, tenant: str) -> None:
+        """Add this request's retry checks to the combined admit."""
+        op.retry_hint = req.retry_count > 0
+        if not self.enabled:
+            return
+        p = self.policy
+        op.markers = self.markers(req, tenant)
+        op.inflight_ttl_s = p.inflight_ttl_s
+        op.set_retry(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
+
+    def admitted(self, req: LLMRequest, is_retry: bool) -> None:
+        if is_retry:
+            self._seen.get(req.model).inc()
+            self._allowed.get(req.model).inc()
+
+    def seen_rejected(self, req: LLMRequest) -> None:
+        """A retry refused by another budget (task, tenant): still a retry seen."""
+        self._seen.get(req.model).inc()
+
+    def rejection(self, req: LLMRequest, res: AdmitResult) -> BudgetExceeded:
+        self._seen.get(req.model).inc()
+        if res.code == 1:  # store.DUPLICATE
+            self._rej_dup.get(req.model).inc()
+            kind = res.detail.split(":", 3)[2] if res.detail.count(":") >= 3 else ""
+            what = _KIND_NAMES.get(kind, "identity")
+            return BudgetExceeded(409, CODE_DUPLICATE,
+                                  f"a request with the same {what} is still in flight; wait for it instead of "
+                                  f"sending it again", None, False, "in_flight")
+        self._rej_budget.get(req.model).inc()
+        p = self.policy
+        scope = f"pool {req.model}" if res.detail == "pool" else f"tenant {req.tenant}"
+        return BudgetExceeded(429, CODE_BUDGET,
+                              f"retry budget exhausted for {scope}: retries are limited to {p.max_share:.0%} of "
+                              f"admitted requests (at least {p.floor}) per {p.window_s:g} s window; "
+                              f"{res.used:.0f} retries already admitted",
+                              p.window_s, False, res.detail)

@@ -1,0 +1,152 @@
+"""Fixtures: a real redis-server (Debian package `redis-server`) on a free loopback port, and budget builders.
+
+The server runs with `--save "" --appendonly no` and is killed by PID at teardown. Tests that kill / restart Redis
+use `redis_proc` (their own server); the rest share one session server and isolate themselves by key prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from extproc.budgets import BudgetPolicy, Budgets
+from extproc.request import LLMRequest
+
+REDIS_BIN = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisProc:
+    """One redis-server child process; start / kill / restart on the same port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_BIN, "redis-server not installed (apt-get install redis-server)"
+        self.proc = subprocess.Popen(
+            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not answer PING within 5 s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        self.proc = None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+
+def _need_redis() -> None:
+    """Skip without redis-server locally; in CI (CI=true) a missing server is a failure, not a silent skip."""
+    if not REDIS_BIN:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server not installed: apt-get install -y redis-server")
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProc]:
+    _need_redis()
+    r = RedisProc()
+    r.start()
+    yield r
+    r.kill()
+
+
+@pytest.fixture
+def redis_proc() -> Iterator[RedisProc]:
+    """A private server for tests that kill or pause it."""
+    _need_redis()
+    r = RedisProc()
+    r.start()
+    yield r
+    if r.proc is not None:
+        try:
+            r.signal(signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    r.kill()
+
+
+def policy(kind: str = "memory", url: str | None = None, prefix: str | None = None, **sections: Any) -> BudgetPolicy:
+    """A BudgetPolicy on the given store kind; `sections` are `budgets:` sections (store overrides merged)."""
+    d: dict[str, Any] = dict(sections)
+    st = dict(d.pop("store", {}))
+    st["kind"] = kind
+    if kind == "redis":
+        r = dict(st.get("redis", {}))
+        r["url"] = url
+        r["key_prefix"] = prefix or f"test-{uuid.uuid4().hex[:8]}:"
+        st["redis"] = r
+    d["store"] = st
+    return BudgetPolicy.from_dict(d)
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"])
+async def make_budgets(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """make_budgets(**sections) -> started Budgets on the parametrized store (memory, or the session Redis).
+
+    Budgets made by one test share a key prefix, i.e. they act as sidecars sharing one Redis."""
+    made: list[Budgets] = []
+    kind = request.param
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    url = request.getfixturevalue("redis_server").url if kind == "redis" else None
+
+    async def make(capacity: Any = None, **sections: Any) -> Budgets:
+        b = Budgets(policy(kind, url, prefix, **sections), capacity_tokens_per_s=capacity)
+        await b.start()
+        made.append(b)
+        return b
+
+    make.kind = kind  # type: ignore[attr-defined]
+    yield make
+    for b in made:
+        await b.close()
+
+
+_seq = iter(range(1, 10**9))
+
+
+def req(prompt: int = 100, out: int = 100, *, tenant: str = "acme", model: str = "m", task_id: str | None = None,
+        body: bytes | None = None, **kw: Any) -> LLMRequest:
+    """An LLMRequest with a unique body fingerprint and request id unless given."""
+    n = next(_seq)
+    return LLMRequest(request_id=kw.pop("request_id", f"req-{n}"), endpoint="chat", model=model, stream=False,
+                      prompt_tokens=prompt, max_output_tokens=out, tenant=tenant, task_id=task_id,
+                      body_fingerprint=body if body is not None else n.to_bytes(16, "big"), **kw)

@@ -1,0 +1,181 @@
+"""End to end through the real Envoy binary, the sidecar process and simulated replicas, driven by the
+official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from extproc.supervisor import Stack
+
+from .conftest import REPLICA_HEADER, metric_sum, sim_metric, wait_for
+
+pytestmark = pytest.mark.integration
+MODEL = "sim-model"
+
+
+def client(stack: Stack, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="test", max_retries=0, **kw)
+
+
+def aclient(stack: Stack, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="test", max_retries=0, **kw)
+
+
+def post_raw(stack: Stack, path: str, body: bytes, method: str = "POST") -> tuple[int, dict, dict]:
+    req = urllib.request.Request(stack.base_url + path, data=body if method == "POST" else None, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def test_non_streaming_chat_via_openai_sdk(stack: Stack):
+    raw = client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Say something."}])
+    assert REPLICA_HEADER.match(raw.headers["x-sim-replica"])
+    assert raw.headers["x-sim-replica"] in stack.policy.default_pool.replicas
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.prompt_tokens > 0
+
+
+def test_streaming_chat_with_usage_via_openai_sdk(stack: Stack):
+    stream = client(stack).chat.completions.create(
+        model=MODEL, max_tokens=20, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Stream please."}])
+    text, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage:
+            usage = chunk.usage
+    assert len(text) >= 10
+    assert usage is not None and usage.completion_tokens == 20
+
+
+def test_completions_endpoint(stack: Stack):
+    out = client(stack).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+    assert out.choices[0].text
+    assert out.usage.completion_tokens == 8
+
+
+def test_models_list_comes_from_the_policy(stack: Stack):
+    models = client(stack).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_concurrent_requests_spread_by_inflight_load(stack: Stack):
+    async def one(c: openai.AsyncOpenAI) -> str:
+        raw = await c.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "load " * 50}])
+        return raw.headers["x-sim-replica"]
+
+    async def run() -> list[str]:
+        async with aclient(stack) as c:
+            return await asyncio.gather(*(one(c) for _ in range(12)))
+
+    served = asyncio.run(run())
+    counts = sorted(served.count(a) for a in stack.policy.default_pool.replicas)
+    # 12 equal requests in flight together: least-in-flight-tokens places 4 on each replica.
+    assert counts == [4, 4, 4], counts
+    assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
+    assert metric_sum(stack.metrics_url, "sluice_inflight_tokens") == 0
+
+
+def test_midstream_disconnect_releases_accounting_and_stops_generation(stack: Stack):
+    with httpx.Client(base_url=stack.base_url, timeout=10) as http:
+        body = {"model": MODEL, "stream": True, "max_tokens": 3000,
+                "messages": [{"role": "user", "content": "long answer please"}]}
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            replica = resp.headers["x-sim-replica"]
+            lines = 0
+            for line in resp.iter_lines():
+                lines += bool(line.startswith("data:"))
+                if lines >= 5:
+                    break
+            assert metric_sum(stack.metrics_url, "sluice_inflight_requests", replica=replica) >= 1
+        # leaving the `with` closes the connection mid-stream
+    assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests", replica=replica) == 0, 3)
+    assert wait_for(lambda: sim_metric(replica, "vllm:num_requests_running") == 0, 3)
+    generated = sim_metric(replica, "vllm:generation_tokens_total")
+    asyncio.run(asyncio.sleep(0.5))
+    assert sim_metric(replica, "vllm:generation_tokens_total") == generated, "replica kept generating"
+    assert generated < 3000
+    assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_requests_total", outcome="cancelled") >= 1, 5)
+
+
+def test_outcome_counted_completed(stack: Stack):
+    before = metric_sum(stack.metrics_url, "sluice_requests_total", outcome="completed")
+    client(stack).chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "x"}])
+    assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_requests_total", outcome="completed") > before, 5)
+
+
+def test_malformed_json_is_400_with_openai_error(stack: Stack):
+    status, headers, body = post_raw(stack, "/v1/chat/completions", b"{nope")
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert body["error"]["code"] == "invalid_json"
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_messages_is_400(stack: Stack):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(stack).chat.completions.create(model=MODEL, messages=[])
+    assert exc.value.code == "missing_messages"
+
+
+def test_unknown_model_is_404(stack: Stack):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(stack).chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+    assert exc.value.code == "model_not_found"
+    assert "gpt-nope" in exc.value.message
+
+
+def test_body_over_limit_is_413_json(stack: Stack):
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 1_200_000}]}).encode()
+    status, headers, body = post_raw(stack, "/v1/chat/completions", big)
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
+
+
+def test_large_prompt_under_limit_passes_the_small_stream_buffer(stack: Stack):
+    """The listener keeps a 64 KiB buffer for streaming memory, yet a 300 KB prompt must still pass."""
+    out = client(stack).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "word " * 60_000}])
+    assert out.usage.prompt_tokens > 30_000
+
+
+def test_unknown_endpoint_is_404_json(stack: Stack):
+    status, _headers, body = post_raw(stack, "/v1/embeddings", b"{}")
+    assert status == 404
+    assert body["error"]["code"] == "unknown_endpoint"
+
+
+def test_client_cannot_pin_itself(stack: Stack):
+    """A client-sent destination header must not choose the replica: the sidecar strips it."""
+    target = stack.policy.default_pool.replicas[0]
+    c = client(stack, default_headers={"x-gateway-destination-endpoint": target, "x-sluice-pool": "pool-x"})
+    served = set()
+    for _ in range(6):
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        served.add(raw.headers["x-sim-replica"])
+    assert raw.parse().choices[0].message.content
+    assert len(served) >= 2
+
+
+def test_envoy_stats_show_ext_proc(stack: Stack):
+    with urllib.request.urlopen(stack.admin_url + "/stats/prometheus", timeout=5) as resp:
+        text = resp.read().decode()
+    assert "envoy_http_ext_proc_sluice_streams_started" in text
