@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.gateway")
 
 # Client-sent headers that would let a client decide what only the gateway may decide: removed from every
-# forwarded request (removing an absent header is free; one constant list, no per-request work).
-STRIPPED_HEADERS = [POOL_HEADER, DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
+# forwarded request (removing an absent header is free; one constant list, no per-request work). The pool
+# header is not listed: the sidecar always overwrites it.
+STRIPPED_HEADERS = [DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
                     "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on",
                     "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes", "x-envoy-retriable-header-names",
                     "x-envoy-hedge-on-per-try-timeout", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
@@ -179,8 +180,13 @@ class Gateway:
                 sched.kick()
 
     # ---- request head, from the CEL attributes that come with the body ------------------------------------
-    def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Only reached if Envoy is configured to SEND request headers: the rendered config skips them."""
+    def on_request_headers(self, st: Stream, msg: pb.HttpHeaders,
+                           attributes: Mapping[str, struct_pb2.Struct]) -> pb.ProcessingResponse:
+        """Note the head (from the attributes Envoy sends with this first message) and wait for the body."""
+        st.start = time.monotonic()
+        st.head = self.read_head(attributes)
+        if msg.end_of_stream:  # no body: nothing to govern, and nothing a replica could serve
+            return self._reject(st, R.immediate(400, "request body is required", "missing_body"))
         return R.CONTINUE_REQUEST_HEADERS
 
     @staticmethod
@@ -200,13 +206,11 @@ class Gateway:
         return head
 
     # ---- request body: the decision --------------------------------------------------------------------
-    def on_request_body(self, st: Stream, msg: pb.HttpBody,
-                        attributes: Mapping[str, struct_pb2.Struct]) -> pb.ProcessingResponse | Waiter:
+    def on_request_body(self, st: Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | Waiter:
         """Answer now (reject or forward pinned), or return the Waiter of a request held in the queue: the
         servicer then tells Envoy to wait and awaits `wait`."""
         t0 = time.perf_counter()
-        st.start = time.monotonic()
-        st.head = head = self.read_head(attributes)
+        head = st.head or Head()
         if self.draining:
             return self._reject(st, R.immediate(503, "the gateway is shutting down; retry shortly", "draining",
                                                 retry_after_s=1.0, should_retry=True))

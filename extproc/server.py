@@ -45,14 +45,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    answer = gw.on_request_body(st, msg.request_body, msg.attributes)
+                    answer = gw.on_request_body(st, msg.request_body)
                     if answer.__class__ is Waiter:
                         # Held in the queue: ask Envoy to wait (once), then answer when dispatched or shed.
                         yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
                         answer = await gw.wait(st)
                     yield answer
                 elif kind == "request_headers":
-                    yield gw.on_request_headers(st, msg.request_headers)
+                    yield gw.on_request_headers(st, msg.request_headers, msg.attributes)
                 elif kind == "response_headers":
                     yield gw.on_response_headers(st, msg.response_headers)
                 elif kind == "response_trailers":

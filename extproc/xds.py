@@ -266,12 +266,13 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                                  timeout=_secs(5)),
         failure_mode_allow=policy.sidecar.failure_mode_allow,
-        # ONE round trip per request: headers are skipped and the few the sidecar needs come as CEL attributes
-        # with the buffered body. Response headers are skipped too (the access log reports status and timing),
-        # but trailers SEND keeps the stream open until the request ends, so the stream's close is the moment
-        # every slot is released.
+        # Request headers must be SENT: with SKIP, Envoy passes them straight to the router, which picks a host
+        # before the body (and so the sidecar's pin) arrives. The few headers the sidecar reads come as CEL
+        # attributes with that first message. Response headers are skipped (the access log reports status and
+        # timing), but trailers SEND keeps the stream open until the request ends, so the stream's close is
+        # the moment every slot is released.
         processing_mode=ProcessingMode(
-            request_header_mode=skip,
+            request_header_mode=send,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip,
             response_header_mode=skip,
@@ -284,7 +285,7 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
         stat_prefix=EXTPROC_STAT_PREFIX,
         allow_mode_override=True,
         allowed_override_modes=[ProcessingMode(
-            request_header_mode=skip, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_header_mode=send, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip, response_header_mode=send,
             response_body_mode=ProcessingModeBodySendMode.STREAMED, response_trailer_mode=send)],
         metadata_options=MetadataOptions(
