@@ -24,6 +24,8 @@ from extproc import responses as R
 from extproc.admission.policy import admission_policy_from_dict
 from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.budgets import BudgetExceeded, Budgets, Charge
+from extproc.budgets.policy import BudgetPolicy
 from extproc.config import Policy
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.placement import Placer
@@ -81,6 +83,7 @@ class Stream:
     pool: Pool | None = None
     waiter: Waiter | None = None
     placement: Placement | None = None
+    charge: Charge | None = None
     status: int = 0
     first_byte: float = 0.0
 
@@ -157,6 +160,8 @@ class Gateway:
         self.placers = {name: Placer(pool, self.admission) for name, pool in self.pools.items()}
         self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
                            for name, pool in self.pools.items()}
+        self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
+                               sidecar_count_hint=policy.sidecar.workers)
         self.draining = False
         self.access_log: AccessLogReceiver | None = None
         self._inflight_req = {r: m.INFLIGHT_REQUESTS.labels(r.pool, r.address)
@@ -172,6 +177,13 @@ class Gateway:
         """With a scraper running, replicas whose metrics are stale count as saturated."""
         for placer in self.placers.values():
             placer.is_fresh = is_fresh
+
+    def capacity_tokens_per_s(self, model: str) -> float:
+        """A pool's token throughput (prompt prefill rate x replicas), for P10's capacity-at-cost report."""
+        pool = self.pools.get(model)
+        if pool is None:
+            return 0.0
+        return self.admission.prefill_tokens_per_s * sum(1 for r in pool.replicas if r.routable)
 
     def kick_all(self) -> None:
         """Capacity may have changed (scrape, health): dispatch what now fits."""
@@ -206,7 +218,7 @@ class Gateway:
         return head
 
     # ---- request body: the decision --------------------------------------------------------------------
-    def on_request_body(self, st: Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | Waiter:
+    async def on_request_body(self, st: Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | Waiter:
         """Answer now (reject or forward pinned), or return the Waiter of a request held in the queue: the
         servicer then tells Envoy to wait and awaits `wait`."""
         t0 = time.perf_counter()
@@ -231,6 +243,12 @@ class Gateway:
         self._fill_identity(req, head, st.start)
         st.req = req
         st.pool = pool
+        try:
+            budgets = self.budgets
+            st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+        except BudgetExceeded as exc:
+            return self._reject(st, R.immediate(exc.status, exc.message, exc.code, err_type=exc.err_type,
+                                                retry_after_s=exc.retry_after_s, should_retry=exc.should_retry))
         if not self.admission.enabled:
             return self._forward_unmetered(st, pool, t0)
         try:
@@ -297,7 +315,7 @@ class Gateway:
             return self._reject(st, R.immediate(503, f"no replica of {pool.model} is available",
                                                 "pool_unavailable", retry_after_s=1.0, should_retry=True))
         pins[0].place(st.req.total_tokens, st.req.prompt_tokens)
-        resp = self._forward(st, Placement(pins[0], pins, -1))
+        resp = self._forward(st, Placement(pins[0], pins, -1, pins[0].scrape_epoch))
         m.DECISION_SECONDS.observe(time.perf_counter() - t0)
         return resp
 
@@ -357,10 +375,20 @@ class Gateway:
             if placement.lane >= 0:
                 self.schedulers[replica.pool].release(placement, req)
             else:
-                replica.release(req.total_tokens, req.prompt_tokens)
+                replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)
             self._inflight_req[replica].dec()
             self._inflight_tok[replica].dec(req.total_tokens)
             if st.status >= 500:
                 replica.errors_total += 1
             st.placement = None
+            forwarded = True
+        else:
+            forwarded = False
+        if st.charge is not None:
+            # Never forwarded (shed after the budget check): refund its tokens. Forwarded: keep the estimate
+            # until usage is observed (sampled streams correct it).
+            zero = None if forwarded else 0
+            self.budgets.settle_sync(st.charge, completed=forwarded and st.status < 500,
+                                     prompt_tokens=zero, completion_tokens=zero)
+            st.charge = None
         return st.state

@@ -45,7 +45,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    answer = gw.on_request_body(st, msg.request_body)
+                    answer = await gw.on_request_body(st, msg.request_body)
                     if answer.__class__ is Waiter:
                         # Held in the queue: ask Envoy to wait (once), then answer when dispatched or shed.
                         yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
@@ -107,6 +107,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     runner = web.AppRunner(make_http_app(gateway, state), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
+    await gateway.budgets.start()
     await server.start()
     await site.start()
     state["ready"] = True
@@ -128,3 +129,4 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
     await runner.cleanup()
+    await gateway.budgets.close()

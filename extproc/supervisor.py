@@ -112,6 +112,7 @@ class Stack:
     mode: str = "sluice"
     sim_args: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
+    sim_admin_ports: dict[str, int] = field(default_factory=dict)  # replica address -> simulator admin port
 
     @property
     def base_url(self) -> str:
@@ -156,10 +157,13 @@ class Stack:
         logs = self.run_dir / "logs"
         sim = self.policy.simulator
         children: list[Child] = []
-        for i, (model, addr) in enumerate(self.simulated_replicas()):
+        sims = self.simulated_replicas()
+        self.sim_admin_ports = dict(zip([a for _m, a in sims], free_ports(len(sims))))
+        for i, (model, addr) in enumerate(sims):
             host, port = split_addr(addr)
             argv = [py, "-m", "extproc.sim", "--host", host, "--port", str(port), "--model", model,
-                    "--name", addr, "--preset", sim.preset, "--time-scale", str(sim.time_scale),
+                    "--name", addr, "--admin-port", str(self.sim_admin_ports[addr]),
+                    "--preset", sim.preset, "--time-scale", str(sim.time_scale),
                     "--seed", str(sim.seed + i), *sim.extra_args, *self.sim_args]
             children.append(Child(f"sim {addr}", argv, logs / f"sim-{port}.log", f"http://{addr}/health"))
         if self.mode == "sluice":
@@ -215,6 +219,10 @@ class Stack:
             time.sleep(0.05)
         raise StartupError(f"Envoy did not open its listener {gw.host}:{gw.port}; log:\n"
                            f"{self.children[-1].log_tail()}")
+
+    def sim_admin_url(self, addr: str) -> str:
+        """Where to inject faults into the simulated replica at `addr` (POST /sim/fault)."""
+        return f"http://{split_addr(addr)[0]}:{self.sim_admin_ports[addr]}"
 
     def child(self, name: str) -> Child:
         for c in self.children:

@@ -43,6 +43,7 @@ class Placement:
     replica: Replica
     pins: list[Replica]
     lane: int
+    epoch: int = -1  # the replica's scrape epoch when placed
 
 
 class DrainRate:
@@ -155,7 +156,7 @@ class Scheduler:
         self.lane_requests[lane] += 1
         self.lane_tokens[lane] += req.total_tokens
         self.drain[lane].tick(now)
-        return Placement(primary, pins, lane)
+        return Placement(primary, pins, lane, primary.scrape_epoch)
 
     # ---- dispatch from the queues ---------------------------------------------------------------------
     def kick(self, now: float | None = None) -> int:
@@ -224,7 +225,7 @@ class Scheduler:
 
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
-        self.placer.release(placement.replica, req, placement.lane)
+        self.placer.release(placement.replica, req, placement.lane, placement.epoch)
         self.lane_requests[placement.lane] -= 1
         self.lane_tokens[placement.lane] -= req.total_tokens
         self.m.released(placement.lane)

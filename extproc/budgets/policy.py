@@ -27,7 +27,7 @@ budgets:
     inflight_ttl_s: 600.0
     use_idempotency_key: true
     use_request_id: true
-    use_fingerprint: true
+    use_fingerprint: false
   tasks:
     header: x-sluice-task-id
     depth_header: x-sluice-task-depth
@@ -146,8 +146,9 @@ class RetryPolicy:
         the longest request.
       use_idempotency_key: recognise retries / duplicates by the `Idempotency-Key` header.
       use_request_id: recognise them by a reused request id (`x-request-id`).
-      use_fingerprint: recognise them by an identical body from the same tenant. Turn off when clients
-        legitimately send identical bodies concurrently (load generators, parallel sampling).
+      use_fingerprint: recognise them by an identical body from the same tenant. Off by default: clients
+        legitimately send identical bodies concurrently (load generators, parallel sampling, cached prompts);
+        turn it on where retries come from layers that send neither the SDK's retry count nor a key.
     """
 
     enabled: bool = True
@@ -158,7 +159,7 @@ class RetryPolicy:
     inflight_ttl_s: float = 600.0
     use_idempotency_key: bool = True
     use_request_id: bool = True
-    use_fingerprint: bool = True
+    use_fingerprint: bool = False
 
     def _validate(self, path: str) -> None:
         if not (0.0 <= self.max_share <= 1.0):

@@ -141,8 +141,8 @@ class Placer:
             self.lane_busy[lane] += 1
         r.lane_inflight[lane] += 1
 
-    def release(self, r: Replica, req: LLMRequest, lane: int) -> None:
-        r.release(req.total_tokens, req.prompt_tokens)
+    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int) -> None:
+        r.release(req.total_tokens, req.prompt_tokens, epoch)
         r.lane_inflight[lane] -= 1
         if r.lane_inflight[lane] == 0:
             self.lane_busy[lane] -= 1

@@ -52,6 +52,7 @@ class Replica:
     inflight_prompt_tokens: int = 0
     placed_since_scrape_tokens: int = 0
     placed_since_scrape_requests: int = 0
+    scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
     lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
@@ -72,15 +73,21 @@ class Replica:
         self.placed_since_scrape_tokens += tokens
         self.placed_since_scrape_requests += 1
 
-    def release(self, tokens: int, prompt_tokens: int = 0) -> None:
+    def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1) -> None:
+        """`epoch` is the scrape epoch at placement: a request placed and finished between two scrapes was never
+        seen by the engine's numbers, so it leaves the since-scrape counters too."""
         self.inflight_requests -= 1
         self.inflight_tokens -= tokens
         self.inflight_prompt_tokens -= prompt_tokens
         self.served_total += 1
+        if epoch == self.scrape_epoch:
+            self.placed_since_scrape_tokens -= tokens
+            self.placed_since_scrape_requests -= 1
 
     def on_scrape(self, engine: EngineState) -> None:
         """A fresh scrape already includes what was placed before it: restart the since-scrape counters."""
         self.engine = engine
+        self.scrape_epoch += 1
         self.placed_since_scrape_tokens = 0
         self.placed_since_scrape_requests = 0
         if engine.kv_capacity_tokens:

@@ -15,7 +15,8 @@ T0 = 1_000_020.0
 
 def test_memory_admit_and_settle_never_yield() -> None:
     """With the memory store the coroutines finish on their first step: no await that yields to the loop."""
-    b = Budgets(BudgetPolicy.from_dict({"tasks": {"max_calls": 5}, "tenants": {"default": 10**6}}))
+    b = Budgets(BudgetPolicy.from_dict({"tasks": {"max_calls": 5}, "tenants": {"default": 10**6},
+                                        "retry": {"use_fingerprint": True}}))
     coro = b.admit(req(task_id="t", idempotency_key="k"), now=T0)
     with pytest.raises(StopIteration) as stop:
         coro.send(None)

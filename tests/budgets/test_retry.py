@@ -76,7 +76,7 @@ async def test_tenant_share_is_separate_from_pool(make_budgets) -> None:
 
 @pytest.mark.asyncio
 async def test_detection_by_key_fingerprint_and_request_id(make_budgets) -> None:
-    b = await make_budgets()
+    b = await make_budgets(retry={"use_fingerprint": True})
     first = await b.admit(req(idempotency_key="idem-1"), now=T0)
     assert not first.is_retry
     await b.settle(first, completed=False, prompt_tokens=None, completion_tokens=None, now=T0 + 1)
@@ -98,7 +98,7 @@ async def test_detection_by_key_fingerprint_and_request_id(make_budgets) -> None
 
 @pytest.mark.asyncio
 async def test_duplicate_in_flight_is_409_and_charges_nothing(make_budgets) -> None:
-    b = await make_budgets(tasks={"max_calls": 2})
+    b = await make_budgets(tasks={"max_calls": 2}, retry={"use_fingerprint": True})
     body = b"\x02" * 16
     running = await b.admit(req(body=body, task_id="t-1"), now=T0)
     before = REGISTRY.get_sample_value("sluice_budget_retries_rejected_total",

@@ -1,0 +1,169 @@
+"""Scheduler + placer: token-metered dispatch, lanes, deadlines, shedding, release."""
+
+import asyncio
+
+import pytest
+
+from extproc.admission.policy import LanePolicy, admission_policy_from_dict
+from extproc.admission.queue import Waiter
+from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.config import PoolConfig
+from extproc.request import LLMRequest
+from extproc.routing.placement import Placer
+from extproc.routing.pool import EJECTED, Pool
+
+
+def make(n_replicas: int = 2, **admission) -> Scheduler:
+    pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n_replicas)]))
+    policy = admission_policy_from_dict({"kv_capacity_tokens": 10_000, "kv_margin": 0.0, **admission}, 5.0)
+    return Scheduler(pool, policy, Placer(pool, policy))
+
+
+def req(prompt: int = 100, out: int = 100, tenant: str = "t", timeout: float | None = None,
+        priority: str = "interactive") -> LLMRequest:
+    return LLMRequest(request_id="", endpoint="chat", model="m", stream=True, prompt_tokens=prompt,
+                      max_output_tokens=out, tenant=tenant, client_timeout_s=timeout, priority=priority)
+
+
+async def test_dispatches_immediately_when_a_replica_fits():
+    s = make()
+    p = s.submit(req(), 0.0)
+    assert isinstance(p, Placement)
+    assert p.replica.inflight_tokens == 200 and p.replica.inflight_requests == 1
+    assert len(p.pins) == 2 and p.pins[1] is not p.replica
+
+
+async def test_kv_headroom_meters_tokens_not_requests():
+    s = make(n_replicas=1, prefill_tokens_per_s=1e9)
+    big = s.submit(req(prompt=4000, out=4000), 0.0)
+    assert isinstance(big, Placement)
+    # 8,000 of 10,000 reserved: a 3,000-token request waits although only one request runs
+    queued = s.submit(req(prompt=1500, out=1500), 0.0)
+    assert isinstance(queued, Waiter)
+    # a smaller one of the same lane would fit, but waits behind the queued one (no queue jumping) ...
+    same_lane = s.submit(req(prompt=1100, out=10), 0.0)
+    assert isinstance(same_lane, Waiter)
+    # ... while a short prompt has its own lane and goes now
+    assert isinstance(s.submit(req(prompt=10, out=10), 0.0), Placement)
+    s.release(big, req(prompt=4000, out=4000))
+    assert queued.future.done() and same_lane.future.done()
+    assert isinstance(queued.future.result(), Placement)
+
+
+async def test_never_fits_is_rejected_at_once():
+    s = make()
+    with pytest.raises(Shed) as exc:
+        s.submit(req(prompt=9000, out=2000), 0.0)
+    assert exc.value.status == 400 and exc.value.code == "context_length_exceeded"
+    assert exc.value.should_retry is False
+
+
+async def test_queue_full_sheds_with_retry_after():
+    s = make(n_replicas=1, max_concurrency_per_replica=1,
+             lanes=[{"name": "all", "max_prompt_tokens": 1 << 30, "max_queue": 2}])
+    assert isinstance(s.submit(req(), 0.0), Placement)
+    s.submit(req(), 0.0)
+    s.submit(req(), 0.0)
+    with pytest.raises(Shed) as exc:
+        s.submit(req(), 0.0)
+    assert exc.value.status == 429 and exc.value.code == "queue_full"
+    assert exc.value.retry_after_s is not None and exc.value.retry_after_s > 0
+    assert exc.value.should_retry is True
+
+
+async def test_higher_priority_evicts_sheddable_when_full():
+    s = make(n_replicas=1, max_concurrency_per_replica=1,
+             lanes=[{"name": "all", "max_prompt_tokens": 1 << 30, "max_queue": 1}])
+    s.submit(req(), 0.0)
+    low = s.submit(req(priority="sheddable"), 0.0)
+    high = s.submit(req(priority="interactive"), 0.0)
+    assert isinstance(high, Waiter)
+    assert isinstance(low.future.exception(), Shed)
+    assert low.future.exception().code == "evicted"
+
+
+async def test_client_deadline_that_cannot_be_met_is_rejected_without_retry():
+    s = make()
+    with pytest.raises(Shed) as exc:
+        s.submit(req(timeout=0.0), 0.0)
+    assert exc.value.code == "deadline_unmeetable" and exc.value.should_retry is False
+
+
+async def test_expired_waiter_becomes_429_and_leaves_the_queue():
+    s = make(n_replicas=1, max_concurrency_per_replica=1)
+    s.submit(req(), 0.0)
+    w = s.submit(req(), 0.0)
+    shed = s.expired(w, 10.0)
+    assert shed.status == 429 and shed.code == "queue_timeout"
+    assert s.queued_total() == 0
+
+
+async def test_pool_down_sheds_503():
+    s = make(n_replicas=1)
+    s.pool.replicas[0].state = EJECTED
+    w = s.submit(req(), 0.0)
+    assert isinstance(w, Waiter)
+    shed = s.expired(w, 1.0)
+    assert shed.status == 503 and shed.code == "pool_unavailable"
+
+
+async def test_long_lane_confined_to_a_share_of_replicas():
+    """P3: long prompts occupy at most half of the replicas; short ones always find one free of long work."""
+    s = make(n_replicas=2, prefill_tokens_per_s=1e9, kv_capacity_tokens=1_000_000,
+             lanes=[{"name": "short", "max_prompt_tokens": 1000},
+                    {"name": "long", "max_prompt_tokens": 1 << 30, "max_replica_share": 0.5}])
+    first = s.submit(req(prompt=50_000, out=10), 0.0)
+    second = s.submit(req(prompt=50_000, out=10), 0.0)
+    assert isinstance(first, Placement)
+    assert isinstance(second, Placement) and second.replica is first.replica  # same replica, not the other
+    short = s.submit(req(prompt=100, out=10), 0.0)
+    assert isinstance(short, Placement) and short.replica is not first.replica
+
+
+async def test_prefill_backlog_spreads_and_predicts_ttft():
+    s = make(n_replicas=2, prefill_tokens_per_s=1000.0, ttft_target_s=2.0, kv_capacity_tokens=1_000_000)
+    a = s.submit(req(prompt=1500, out=1), 0.0)
+    b = s.submit(req(prompt=1500, out=1), 0.0)
+    assert a.replica is not b.replica
+    # both replicas have 1.5 s of prefill queued: a third 1,500-token prompt would exceed the 2 s target
+    c = s.submit(req(prompt=1500, out=1), 0.0)
+    assert isinstance(c, Waiter)
+    # 1 s later the backlog has drained to 0.5 s: it fits
+    assert s.kick(now=1.0) == 1 and c.future.done()
+
+
+async def test_release_restores_every_counter():
+    s = make()
+    r = req()
+    p = s.submit(r, 0.0)
+    s.release(p, r)
+    assert all(x.inflight_requests == 0 and x.inflight_tokens == 0 for x in s.pool.replicas)
+    assert s.lane_requests == [0] * len(s.lane_requests) and s.lane_tokens == [0] * len(s.lane_tokens)
+    assert s.placer.lane_busy == [0] * len(s.placer.lane_busy)
+
+
+async def test_fairness_across_tenants_in_dispatch_order():
+    s = make(n_replicas=1, max_concurrency_per_replica=1)
+    hold = s.submit(req(tenant="x"), 0.0)
+    flood = [s.submit(req(tenant="flood"), 0.0) for _ in range(10)]
+    quiet = s.submit(req(tenant="quiet"), 0.0)
+    order = []
+    current = hold
+    for _ in range(3):
+        s.release(current, req())
+        done = [w for w in flood + [quiet] if w.future.done() and w not in order]
+        order.extend(done)
+        current = done[0].future.result()
+    assert quiet in order[:2]
+
+
+def test_policy_validation_names_fields():
+    with pytest.raises(ValueError, match="admission.kv_margin"):
+        admission_policy_from_dict({"kv_margin": 1.5}, 1.0)
+    with pytest.raises(ValueError, match="lanes must be ordered"):
+        admission_policy_from_dict({"lanes": [{"name": "a", "max_prompt_tokens": 10},
+                                              {"name": "b", "max_prompt_tokens": 5}]}, 1.0)
+    with pytest.raises(ValueError, match="unknown field"):
+        admission_policy_from_dict({"bogus": 1}, 1.0)
+    assert isinstance(admission_policy_from_dict({}, 3.0).lanes[0], LanePolicy)
+    assert admission_policy_from_dict({}, 3.0).max_wait_s == 3.0
