@@ -80,6 +80,7 @@ from envoy_data_plane.envoy.config.accesslog.v3 import (
     StatusCodeFilter,
 )
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutationRules
 from envoy_data_plane.envoy.config.core.v3 import RuntimeUInt32, SubstitutionFormatString
 from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
     CommonGrpcAccessLogConfig,
@@ -288,6 +289,9 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
             request_header_mode=send, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip, response_header_mode=send,
             response_body_mode=ProcessingModeBodySendMode.STREAMED, response_trailer_mode=send)],
+        # The sidecar sets x-envoy-upstream-rq-timeout-ms from the client's deadline and strips client-sent
+        # x-envoy-* routing/retry headers; Envoy's default rules forbid touching x-envoy-* at all.
+        mutation_rules=HeaderMutationRules(allow_envoy=True),
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[LB_NAMESPACE])),
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),

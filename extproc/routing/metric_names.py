@@ -32,10 +32,9 @@ GAUGE = 0         # summed over label sets
 FRACTION = 1      # averaged over label sets (a 0..1 ratio per engine)
 COUNTER = 2       # summed; windowed rates come from deltas
 HIST_BUCKET = 3   # <hist>_bucket{le=...}: summed per le
-HIST_COUNT = 4
-HIST_SUM = 5
-OUTCOMES = 6      # counter with a finished_reason label
-CACHE_INFO = 7    # info gauge whose labels carry block_size and num_gpu_blocks
+HIST_COUNT = 4    # <hist>_count (the +Inf bucket says the same; used when buckets are missing)
+OUTCOMES = 5      # counter with a finished_reason label
+CACHE_INFO = 6    # info gauge whose labels carry block_size and num_gpu_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +49,7 @@ class MetricNames:
     generation_tokens: tuple[str, ...] = ()   # counter
     prompt_tokens: tuple[str, ...] = ()       # counter
     generation_tps_gauge: tuple[str, ...] = ()  # used only when no generation counter is exported
-    ttft: tuple[str, ...] = ()                # histogram family names (without _bucket/_count/_sum)
+    ttft: tuple[str, ...] = ()                # histogram family names (without _bucket / _count)
     request_outcomes: tuple[str, ...] = ()    # counter labelled finished_reason
     error_reasons: tuple[str, ...] = ()       # finished_reason values counted into errors_total
     cache_config_info: tuple[str, ...] = ()   # labels block_size, num_gpu_blocks
@@ -76,7 +75,6 @@ class MetricNames:
         add(self.generation_tps_gauge, GAUGE, "generation_tps_gauge")
         add(self.ttft, HIST_BUCKET, "ttft", "_bucket")
         add(self.ttft, HIST_COUNT, "ttft", "_count")
-        add(self.ttft, HIST_SUM, "ttft", "_sum")
         add(self.request_outcomes, OUTCOMES, "outcomes")
         add(self.cache_config_info, CACHE_INFO, "cache_info")
         add(self.kv_capacity_tokens, GAUGE, "kv_capacity_tokens")

@@ -99,11 +99,11 @@ def test_midstream_disconnect_releases_accounting_and_stops_generation(stack: St
         with http.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             replica = resp.headers["x-sim-replica"]
-            lines = 0
-            for line in resp.iter_lines():
-                lines += bool(line.startswith("data:"))
-                if lines >= 5:
-                    break
+            # Keep the iterator referenced: an abandoned httpx line iterator closes the connection at once.
+            lines_iter = resp.iter_lines()
+            seen = 0
+            while seen < 5:
+                seen += next(lines_iter).startswith("data:")
             assert metric_sum(stack.metrics_url, "sluice_inflight_requests", replica=replica) >= 1
         # leaving the `with` closes the connection mid-stream
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests", replica=replica) == 0, 3)
@@ -180,3 +180,26 @@ def test_envoy_stats_show_ext_proc(stack: Stack):
     with urllib.request.urlopen(stack.admin_url + "/stats/prometheus", timeout=5) as resp:
         text = resp.read().decode()
     assert "envoy_http_ext_proc_sluice_streams_started" in text
+
+
+def test_client_deadline_cancels_replica_work(stack: Stack):
+    """x-sluice-deadline-ms (or the SDK's x-stainless-read-timeout) becomes Envoy's upstream timeout: when it
+    passes, the replica's generation is cancelled instead of running on for nobody (P4)."""
+    import time
+
+    generated_before = {a: sim_metric(a, "vllm:generation_tokens_total") for a in stack.policy.default_pool.replicas}
+    t0 = time.monotonic()
+    with httpx.Client(base_url=stack.base_url, timeout=10) as http:
+        body = {"model": MODEL, "stream": True, "max_tokens": 3000, "messages": [{"role": "user", "content": "x"}]}
+        with http.stream("POST", "/v1/chat/completions", json=body,
+                         headers={"x-sluice-deadline-ms": "600"}) as resp:
+            replica = resp.headers["x-sim-replica"]
+            with pytest.raises(httpx.HTTPError):
+                for _ in resp.iter_lines():
+                    pass
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3.0, elapsed
+    assert wait_for(lambda: sim_metric(replica, "vllm:num_requests_running") == 0, 3)
+    generated = sim_metric(replica, "vllm:generation_tokens_total") - generated_before[replica]
+    assert 0 < generated < 1000, generated  # about 0.6 s of decoding, not the 3,000 tokens asked for
+    assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_requests_total", outcome="timeout") >= 1, 5)

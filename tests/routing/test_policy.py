@@ -1,0 +1,73 @@
+"""The `routing:` section: defaults, validation naming the field, score passthrough."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.routing.policy import HealthPolicy, RoutingPolicy
+
+
+def test_defaults():
+    p = RoutingPolicy.from_dict(None)
+    assert p == RoutingPolicy.from_dict({})
+    assert p.scrape_interval_s == 0.2 and p.stale_after_s == pytest.approx(1.0) and p.window_s == 10.0
+    assert p.scrape_timeout_s == 1.0 and p.score == {}
+    h = p.health
+    assert h.ttft_p95_degraded_s == 15.0 and h.slow_start_steps == (0.1, 0.3, 0.5, 1.0)
+    assert h.degraded_weight == 0.25 and h.enabled is True
+
+
+def test_stale_after_follows_the_interval_unless_set():
+    assert RoutingPolicy.from_dict({"scrape_interval_s": 0.5}).stale_after_s == pytest.approx(2.5)
+    assert RoutingPolicy.from_dict({"scrape_interval_s": 0.5, "stale_after_s": 0.9}).stale_after_s == 0.9
+
+
+def test_nested_health_and_score_passthrough():
+    score = {"kv_weight": 2, "nested": {"x": [1, 2]}}
+    p = RoutingPolicy.from_dict({"health": {"ttft_p95_degraded_s": 2, "slow_start_steps": [0.2, 0.6],
+                                            "min_samples": 3}, "score": score})
+    assert p.health.ttft_p95_degraded_s == 2.0 and isinstance(p.health.ttft_p95_degraded_s, float)
+    assert p.health.slow_start_steps == (0.2, 0.6) and p.health.min_samples == 3
+    assert p.score == score
+
+
+@pytest.mark.parametrize("d, field", [
+    ({"scrape_intervall_s": 1}, "routing.scrape_intervall_s"),
+    ({"scrape_interval_s": "fast"}, "routing.scrape_interval_s"),
+    ({"scrape_interval_s": 0}, "routing.scrape_interval_s"),
+    ({"scrape_interval_s": True}, "routing.scrape_interval_s"),
+    ({"scrape_timeout_s": -1}, "routing.scrape_timeout_s"),
+    ({"stale_after_s": 0.1}, "routing.stale_after_s"),
+    ({"window_s": 0.3}, "routing.window_s"),
+    ({"score": [1]}, "routing.score"),
+    ({"health": []}, "routing.health"),
+    ({"health": {"bogus": 1}}, "routing.health.bogus"),
+    ({"health": {"min_samples": 0}}, "routing.health.min_samples"),
+    ({"health": {"min_samples": 2.5}}, "routing.health.min_samples"),
+    ({"health": {"enabled": "yes"}}, "routing.health.enabled"),
+    ({"health": {"degraded_weight": 1.5}}, "routing.health.degraded_weight"),
+    ({"health": {"fallback_weight": 0}}, "routing.health.fallback_weight"),
+    ({"health": {"error_rate_degraded": 0}}, "routing.health.error_rate_degraded"),
+    ({"health": {"slow_start_steps": []}}, "routing.health.slow_start_steps"),
+    ({"health": {"slow_start_steps": [0.5, 0.5]}}, "routing.health.slow_start_steps[1]"),
+    ({"health": {"slow_start_steps": [0.5, 1.2]}}, "routing.health.slow_start_steps[1]"),
+    ({"health": {"slow_start_steps": [0.1, "x"]}}, "routing.health.slow_start_steps[1]"),
+    ({"health": {"scrape_failures_ejected": 1}}, "routing.health.scrape_failures_ejected"),
+    ({"health": {"eject_after_s": float("nan")}}, "routing.health.eject_after_s"),
+])
+def test_invalid_values_name_the_field(d, field):
+    with pytest.raises(ValueError) as exc:
+        RoutingPolicy.from_dict(d)
+    assert field in str(exc.value)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ValueError, match="routing must be a mapping"):
+        RoutingPolicy.from_dict([1])
+
+
+def test_health_policy_is_usable_alone():
+    h = HealthPolicy.from_dict({"probe_interval_s": 1})
+    assert h.probe_interval_s == 1.0
+    with pytest.raises(ValueError, match="routing.health.probe_interval_s"):
+        HealthPolicy.from_dict({"probe_interval_s": 0})

@@ -1,0 +1,154 @@
+"""Windowed values from counter and histogram deltas: p95 TTFT, tokens/s, restarts, staleness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from extproc.routing.metric_names import SGLANG, VLLM
+from extproc.routing.pool import Replica
+from extproc.routing.scrape import History, MetricsParser, build_state, histogram_quantile, is_fresh
+
+from .pages import sglang_page, vllm_page
+
+INF = math.inf
+VP = MetricsParser(VLLM)
+
+
+def state_after(pages: list[tuple[float, bytes]], window_s: float = 10.0, parser: MetricsParser = VP):
+    hist = History(window_s, maxlen=1000)
+    st = None
+    for t, page in pages:
+        st = build_state(t, parser.parse(page), hist)
+    return st
+
+
+# ---- histogram_quantile ---------------------------------------------------------------------------------------
+
+def test_quantile_interpolates_inside_the_bucket():
+    # 100 samples: 50 in (0, 1], 40 in (1, 2], 10 in (2, 4]; rank 95 is 5/10 into (2, 4] -> 3.0
+    assert histogram_quantile(0.95, (1.0, 2.0, 4.0, INF), [50, 90, 100, 100]) == pytest.approx(3.0)
+    # median: rank 50 is the whole first bucket -> its upper bound
+    assert histogram_quantile(0.5, (1.0, 2.0, 4.0, INF), [50, 90, 100, 100]) == pytest.approx(1.0)
+    # the first bucket starts at 0: rank 19 of 20 in (0, 0.1] -> 0.095
+    assert histogram_quantile(0.95, (0.1, INF), [20, 20]) == pytest.approx(0.095)
+
+
+def test_quantile_in_the_inf_bucket_returns_the_highest_finite_bound():
+    assert histogram_quantile(0.95, (1.0, 10.0, INF), [10, 10, 100]) == 10.0
+
+
+def test_quantile_of_empty_histogram_is_zero():
+    assert histogram_quantile(0.95, (1.0, INF), [0, 0]) == 0.0
+    assert histogram_quantile(0.95, (), []) == 0.0
+
+
+def test_quantile_skips_empty_buckets_before_the_rank():
+    # all 10 samples in (5, 10]: p95 = 5 + 5 * 9.5/10
+    assert histogram_quantile(0.95, (1.0, 5.0, 10.0, INF), [0, 0, 10, 10]) == pytest.approx(9.75)
+
+
+# ---- windows --------------------------------------------------------------------------------------------------
+
+def test_first_scrape_has_no_window_yet():
+    st = state_after([(100.0, vllm_page(running=2, gen=5000, ttft=[30.0] * 50))])
+    assert st.window_span_s == 0.0
+    assert st.generation_tps == 0.0 and st.ttft_count_window == 0.0 and st.ttft_p95_s == 0.0
+    assert st.running == 2 and st.scraped_at == 100.0 and not st.restarted
+
+
+def test_rates_and_p95_come_from_deltas_not_totals():
+    old = [30.0] * 50                 # slow first tokens before the window: must not count
+    new = [0.2] * 19 + [3.0]          # 20 in the window: p95 rank 19 -> in (0.1, 0.5]
+    st = state_after([
+        (100.0, vllm_page(running=4, gen=1000, prompt=10_000, ttft=old)),
+        (102.0, vllm_page(running=4, gen=1800, prompt=14_000, ttft=old + new)),
+    ])
+    assert st.window_span_s == 2.0
+    assert st.generation_tps == pytest.approx(400.0)
+    assert st.prompt_tps == pytest.approx(2000.0)
+    assert st.ttft_count_window == 20
+    assert st.ttft_p95_s == pytest.approx(0.5)   # 19/20 lands at the top of (0.1, 0.5]
+    assert st.running_avg == 4.0
+
+
+def test_window_drops_observations_older_than_window_s():
+    slow = [30.0] * 20
+    fast = [0.07] * 20
+    pages = [(0.0, vllm_page(ttft=[])), (1.0, vllm_page(ttft=slow))]
+    t = 1.0
+    while t < 14.0:
+        t += 1.0
+        pages.append((t, vllm_page(ttft=slow + fast)))
+    st = state_after(pages, window_s=10.0)
+    # the window [4, 14] no longer holds the slow first tokens observed at t=1
+    assert st.ttft_count_window == 0
+    pages.append((15.0, vllm_page(ttft=slow + fast + fast)))
+    st = state_after(pages, window_s=10.0)
+    assert st.ttft_count_window == 20 and st.ttft_p95_s < 0.1
+    assert st.window_span_s == pytest.approx(10.0)
+
+
+def test_running_average_over_the_window():
+    st = state_after([(0.0, vllm_page(running=0)), (1.0, vllm_page(running=0)), (2.0, vllm_page(running=9))])
+    assert st.running == 9 and st.running_avg == pytest.approx(3.0)
+
+
+def test_counter_going_down_marks_a_restart_and_restarts_the_window():
+    st = state_after([
+        (0.0, vllm_page(gen=50_000, ttft=[1.0] * 30)),
+        (1.0, vllm_page(gen=50_400, ttft=[1.0] * 31)),
+        (2.0, vllm_page(gen=10, ttft=[])),
+    ])
+    assert st.restarted
+    assert st.window_span_s == 0.0 and st.generation_tps == 0.0
+    st2 = state_after([(0.0, vllm_page(gen=5)), (1.0, vllm_page(gen=15))])
+    assert not st2.restarted and st2.generation_tps == pytest.approx(10.0)
+
+
+def test_bucket_layout_change_restarts_the_window_without_a_restart():
+    st = state_after([
+        (0.0, vllm_page(gen=100, ttft=[0.2] * 5)),
+        (1.0, vllm_page(gen=200, ttft=[0.2] * 6, bounds=(0.5, 1.0))),
+    ])
+    assert not st.restarted and st.window_span_s == 0.0
+
+
+def test_kv_capacity_preemptions_and_errors():
+    st = state_after([(0.0, vllm_page(kv=0.5, preemptions=3, blocks=1000, errors=2)),
+                      (5.0, vllm_page(kv=0.75, preemptions=7, blocks=1000, errors=4))])
+    assert st.kv_capacity_tokens == 16_000
+    assert st.kv_usage == 0.75
+    assert st.preemptions_total == 7 and st.preemptions_window == 4
+    assert st.errors_total == 4
+
+
+def test_sglang_state_uses_counter_and_falls_back_to_the_throughput_gauge():
+    sp = MetricsParser(SGLANG)
+    st = state_after([(0.0, sglang_page(running=3, usage=0.4, gen=1000, hit_rate=0.3)),
+                      (2.0, sglang_page(running=3, usage=0.5, gen=1600, gen_throughput=999.0, hit_rate=0.3))],
+                     parser=sp)
+    assert st.generation_tps == pytest.approx(300.0)   # counter delta wins over the gauge
+    assert st.kv_usage == 0.5 and st.prefix_hit_rate == 0.3 and st.running == 3
+    st = state_after([(0.0, sglang_page(gen=None, gen_throughput=50.0)),
+                      (2.0, sglang_page(gen=None, gen_throughput=70.0))], parser=sp)
+    assert st.generation_tps == 70.0
+
+
+def test_history_is_bounded():
+    hist = History(window_s=1e9, maxlen=8)
+    for i in range(100):
+        build_state(float(i), VP.parse(vllm_page(gen=i)), hist)
+    assert len(hist.snaps) == 8
+
+
+# ---- freshness ------------------------------------------------------------------------------------------------
+
+def test_is_fresh():
+    r = Replica(address="127.0.0.1:1", pool="m")
+    assert not is_fresh(r, 10.0, 1.0)        # never scraped
+    r.engine.scraped_at = 9.5
+    assert is_fresh(r, 10.0, 1.0)
+    assert is_fresh(r, 10.5, 1.0)
+    assert not is_fresh(r, 10.51, 1.0)
