@@ -84,6 +84,7 @@ class Stream:
     waiter: Waiter | None = None
     placement: Placement | None = None
     charge: Charge | None = None
+    budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
     first_byte: float = 0.0
 
@@ -164,10 +165,75 @@ class Gateway:
                                sidecar_count_hint=policy.sidecar.workers)
         self.draining = False
         self.access_log: AccessLogReceiver | None = None
-        self._inflight_req = {r: m.INFLIGHT_REQUESTS.labels(r.pool, r.address)
-                              for pool in self.pools.values() for r in pool.replicas}
-        self._inflight_tok = {r: m.INFLIGHT_TOKENS.labels(r.pool, r.address)
-                              for pool in self.pools.values() for r in pool.replicas}
+        self._replica_gauges: dict[Replica, tuple] = {}
+
+    def _gauges(self, r: Replica) -> tuple:
+        g = self._replica_gauges.get(r)
+        if g is None:
+            g = self._replica_gauges[r] = (m.INFLIGHT_REQUESTS.labels(r.pool, r.address),
+                                           m.INFLIGHT_TOKENS.labels(r.pool, r.address))
+        return g
+
+    def apply_policy(self, policy: Policy) -> list[str]:
+        """Hot reload: validate everything first (raises ValueError / PolicyError and changes nothing), then swap.
+
+        Replicas that stay keep their live state and accounting; requests in flight release to the objects
+        that placed them. Returns a list of human-readable changes."""
+        admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
+        if len(admission.lanes) != len(self.admission.lanes):
+            raise ValueError("admission.lanes: changing the number of lanes needs a restart")
+        budget_policy = BudgetPolicy.from_dict(policy.budgets)
+        changes: list[str] = []
+        new_pools: dict[str, Pool] = {}
+        for cfg in policy.pools:
+            old = self.pools.get(cfg.model)
+            if old is None:
+                new_pools[cfg.model] = Pool.from_config(cfg)
+                changes.append(f"pool {cfg.model} added")
+                continue
+            keep = {r.address: r for r in old.replicas}
+            replicas = [keep.get(a) or Replica(address=a, pool=cfg.model) for a in cfg.replicas]
+            added = [a for a in cfg.replicas if a not in keep]
+            removed = [a for a in keep if a not in cfg.replicas]
+            if added or removed:
+                changes.append(f"pool {cfg.model}: +{added} -{removed}")
+            old.replicas = replicas
+            new_pools[cfg.model] = old
+        changes += [f"pool {name} removed" for name in self.pools if name not in new_pools]
+        self.policy = policy
+        self.admission = admission
+        self.pools = new_pools
+        freshness = next(iter(self.placers.values())).is_fresh if self.placers else None
+        old_schedulers = self.schedulers
+        self.placers = {name: Placer(pool, admission, freshness) for name, pool in new_pools.items()}
+        self.schedulers = {name: Scheduler(pool, admission, self.placers[name]) for name, pool in new_pools.items()}
+        for name, old_sched in old_schedulers.items():
+            self._migrate_queue(old_sched, self.schedulers.get(name))
+        if budget_policy != self.budgets.policy:
+            self.budgets = Budgets(budget_policy, capacity_tokens_per_s=self.capacity_tokens_per_s,
+                                   sidecar_count_hint=policy.sidecar.workers)
+            changes.append("budgets policy replaced")
+        return changes or ["no change"]
+
+    def _migrate_queue(self, old: Scheduler, new: Scheduler | None) -> None:
+        """Requests waiting under the old policy keep their place: re-queued (same deadline) or shed if the
+        pool is gone."""
+        for lane, queue in enumerate(old.queues):
+            while queue.size:
+                w = queue.peek()
+                assert w is not None
+                queue.pop(w)
+                old.m.queued(lane, w.priority, -1)
+                if w.future.done():
+                    continue
+                if new is None:
+                    w.future.set_exception(Shed(503, "pool_removed", "the pool was removed by a policy reload"))
+                    continue
+                new.queues[lane].push(w)
+                new.m.queued(lane, w.priority, +1)
+        if new is not None and new.queued_total():
+            new._arm_timer()
+            new.kick()
 
     def attach_access_log(self, receiver: AccessLogReceiver) -> None:
         """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
@@ -246,6 +312,7 @@ class Gateway:
         try:
             budgets = self.budgets
             st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+            st.budgets = budgets
         except BudgetExceeded as exc:
             return self._reject(st, R.immediate(exc.status, exc.message, exc.code, err_type=exc.err_type,
                                                 retry_after_s=exc.retry_after_s, should_retry=exc.should_retry))
@@ -297,8 +364,8 @@ class Gateway:
         assert req is not None and st.pool is not None
         st.placement, st.state = placement, FORWARDED
         primary = placement.replica
-        self._inflight_req[primary].inc()
-        self._inflight_tok[primary].inc(req.total_tokens)
+        self._gauges(primary)[0].inc()
+        self._gauges(primary)[1].inc(req.total_tokens)
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
@@ -361,7 +428,7 @@ class Gateway:
         response mode a finished and an abandoned request look alike here, so the authoritative outcome is
         counted from Envoy's access log."""
         w = st.waiter
-        if w is not None and st.placement is None and st.pool is not None:
+        if w is not None and st.placement is None and st.pool is not None and st.pool.model in self.schedulers:
             fut = w.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 st.placement = fut.result()  # dispatched just as the client left: release below
@@ -372,12 +439,13 @@ class Gateway:
         placement, req = st.placement, st.req
         if placement is not None and req is not None:
             replica = placement.replica
-            if placement.lane >= 0:
-                self.schedulers[replica.pool].release(placement, req)
+            if placement.owner is not None:
+                placement.owner.release(placement, req)
             else:
                 replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)
-            self._inflight_req[replica].dec()
-            self._inflight_tok[replica].dec(req.total_tokens)
+            gauges = self._gauges(replica)
+            gauges[0].dec()
+            gauges[1].dec(req.total_tokens)
             if st.status >= 500:
                 replica.errors_total += 1
             st.placement = None
@@ -388,7 +456,7 @@ class Gateway:
             # Never forwarded (shed after the budget check): refund its tokens. Forwarded: keep the estimate
             # until usage is observed (sampled streams correct it).
             zero = None if forwarded else 0
-            self.budgets.settle_sync(st.charge, completed=forwarded and st.status < 500,
-                                     prompt_tokens=zero, completion_tokens=zero)
+            (st.budgets or self.budgets).settle_sync(st.charge, completed=forwarded and st.status < 500,
+                                                     prompt_tokens=zero, completion_tokens=zero)
             st.charge = None
         return st.state

@@ -281,6 +281,8 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
             response_trailer_mode=send,
         ),
         request_attributes=list(REQUEST_ATTRIBUTES),
+        # Pipeline the buffered body right behind the headers: one round trip of latency instead of two.
+        send_body_without_waiting_for_header_response=True,
         message_timeout=dt.timedelta(milliseconds=policy.sidecar.message_timeout_ms),
         max_message_timeout=dt.timedelta(milliseconds=policy.sidecar.max_queue_wait_ms + 2000),
         stat_prefix=EXTPROC_STAT_PREFIX,

@@ -44,6 +44,7 @@ class Placement:
     pins: list[Replica]
     lane: int
     epoch: int = -1  # the replica's scrape epoch when placed
+    owner: "Scheduler | None" = None  # who to release to (survives a policy reload that replaces schedulers)
 
 
 class DrainRate:
@@ -156,7 +157,7 @@ class Scheduler:
         self.lane_requests[lane] += 1
         self.lane_tokens[lane] += req.total_tokens
         self.drain[lane].tick(now)
-        return Placement(primary, pins, lane, primary.scrape_epoch)
+        return Placement(primary, pins, lane, primary.scrape_epoch, self)
 
     # ---- dispatch from the queues ---------------------------------------------------------------------
     def kick(self, now: float | None = None) -> int:

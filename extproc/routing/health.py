@@ -31,7 +31,8 @@ Never zero capacity: when no replica of the pool is HEALTHY or RECOVERING the po
 weight and the last routable one is never escalated; when every replica is EJECTED the best reachable one
 (lowest p95 TTFT, replicas with TTFT samples first) is made DEGRADED at `fallback_weight` (reason
 pool_fallback). A replica that does not answer scrapes is never chosen: it cannot serve anyway. Once another
-replica is healthy or recovering again the fallback is released (EJECTED again if its signals are still bad).
+replica is healthy or recovering again the fallback is released (EJECTED again if its signals are still bad);
+a fallback whose own signals turn good goes to RECOVERING (slow start), not straight to HEALTHY.
 
 Pure logic: no I/O, no clock of its own (every entry point takes `now`, time.monotonic() when omitted).
 Every transition sets `replica.state`, `weight`, `state_since`, `state_reason`, counts
@@ -275,7 +276,9 @@ class HealthTracker:
                     if tr.good_since is None:
                         tr.good_since = now
                     if now - tr.good_since >= p.recover_after_s:
-                        self._move(r, tr, HEALTHY, SIGNALS_OK, f"signals good for {p.recover_after_s:g}s", now)
+                        # a fallback replica was ejected before: it ramps up through slow start (P6)
+                        to = RECOVERING if tr.code == POOL_FALLBACK else HEALTHY
+                        self._move(r, tr, to, SIGNALS_OK, f"signals good for {p.recover_after_s:g}s", now)
 
         elif state == EJECTED:
             if unreachable:

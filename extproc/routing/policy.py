@@ -32,7 +32,7 @@ routing:
     slow_start_step_s: 5.0
     slow_start_healthy_factor: 0.8
     relapse_factor: 1.0
-    fallback_weight: 0.25
+    fallback_weight: 0.1
   score: {}                     # passed through to the placement code as is
 ```
 """
@@ -109,7 +109,7 @@ class HealthPolicy:
     slow_start_step_s: float = 5.0
     slow_start_healthy_factor: float = 0.8
     relapse_factor: float = 1.0
-    fallback_weight: float = 0.25
+    fallback_weight: float = 0.1
 
     @classmethod
     def from_dict(cls, d: Any, path: str = "routing.health") -> "HealthPolicy":

@@ -458,3 +458,20 @@ def test_outcomes_that_say_nothing_about_the_replica(outcome):
     for _ in range(50):
         tr.on_outcome(a.address, outcome, 1.0)
     assert tr.error_counts(a, 1.0) == (0, 0)
+
+
+def test_single_replica_pool_relapse_falls_back_and_recovers_through_slow_start():
+    pool, tr = make(1)
+    (a,) = pool.replicas
+    recovering(pool, tr, a)                   # t=1
+    scrape(a, 2.0, ttft=3.0, samples=10)      # relapse: EJECTED, then the pool's only replica is the fallback
+    tr.on_scrape_round(2.0)
+    assert a.state == DEGRADED and a.weight == 0.2 and a.state_reason.startswith("pool_fallback")
+    assert transitions(pool, a, RECOVERING, EJECTED, "ttft_p95") == 1.0
+    scrape(a, 3.0)                            # good from t=3
+    tr.on_scrape_round(3.0)
+    tr.tick(12.9)
+    assert a.state == DEGRADED
+    tr.tick(13.0)
+    assert a.state == RECOVERING and a.weight == 0.1   # not straight back to full traffic
+    assert not tr.all_degraded

@@ -152,3 +152,14 @@ def test_is_fresh():
     assert is_fresh(r, 10.0, 1.0)
     assert is_fresh(r, 10.5, 1.0)
     assert not is_fresh(r, 10.51, 1.0)
+
+
+def test_a_gap_longer_than_max_gap_restarts_the_window():
+    hist = History(10.0, maxlen=100, max_gap_s=1.0)
+    build_state(0.0, VP.parse(vllm_page(gen=0, ttft=[])), hist)
+    build_state(0.5, VP.parse(vllm_page(gen=50, ttft=[9.0] * 10)), hist)
+    st = build_state(3.0, VP.parse(vllm_page(gen=60, ttft=[9.0] * 10)), hist)  # 2.5 s outage
+    assert not st.restarted
+    assert st.window_span_s == 0.0 and st.ttft_count_window == 0   # the slow first tokens are forgotten
+    st = build_state(3.5, VP.parse(vllm_page(gen=80, ttft=[9.0] * 10 + [0.2])), hist)
+    assert st.ttft_count_window == 1 and st.generation_tps == pytest.approx(40.0)
