@@ -27,6 +27,7 @@ from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.budgets import BudgetExceeded, Budgets, Charge
 from extproc.budgets.policy import BudgetPolicy
 from extproc.config import Policy
+from extproc.identity import Identity, TenantPolicy, UnknownKey
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.placement import Placer
 from extproc.routing.pool import Pool, Replica
@@ -84,6 +85,7 @@ class Stream:
     waiter: Waiter | None = None
     placement: Placement | None = None
     charge: Charge | None = None
+    tenant_open: str | None = None  # tenant whose open-stream slot this stream holds
     budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
     first_byte: float = 0.0
@@ -163,6 +165,8 @@ class Gateway:
                            for name, pool in self.pools.items()}
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
+        self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
+        self._tenant_gauges: dict[str, object] = {}
         self.draining = False
         self.access_log: AccessLogReceiver | None = None
         self._replica_gauges: dict[Replica, tuple] = {}
@@ -183,6 +187,8 @@ class Gateway:
         if len(admission.lanes) != len(self.admission.lanes):
             raise ValueError("admission.lanes: changing the number of lanes needs a restart")
         budget_policy = BudgetPolicy.from_dict(policy.budgets)
+        identity = Identity(TenantPolicy.from_dict(policy.tenants))
+        identity.open_streams = self.identity.open_streams
         changes: list[str] = []
         new_pools: dict[str, Pool] = {}
         for cfg in policy.pools:
@@ -202,6 +208,7 @@ class Gateway:
         changes += [f"pool {name} removed" for name in self.pools if name not in new_pools]
         self.policy = policy
         self.admission = admission
+        self.identity = identity
         self.pools = new_pools
         freshness = next(iter(self.placers.values())).is_fresh if self.placers else None
         old_schedulers = self.schedulers
@@ -234,6 +241,13 @@ class Gateway:
         if new is not None and new.queued_total():
             new._arm_timer()
             new.kick()
+
+    def _tenant_gauge(self, tenant: str) -> object:
+        label = self.identity.label(tenant)
+        g = self._tenant_gauges.get(label)
+        if g is None:
+            g = self._tenant_gauges[label] = m.TENANT_OPEN_STREAMS.labels(label)
+        return g
 
     def attach_access_log(self, receiver: AccessLogReceiver) -> None:
         """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
@@ -306,9 +320,20 @@ class Gateway:
         if pool is None:
             return self._reject(st, R.immediate(404, f"The model `{req.model}` does not exist.", "model_not_found",
                                                 param="model"))
+        try:
+            head.tenant = self.identity.tenant_for(head.api_key, head.tenant)
+        except UnknownKey:
+            return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
+                                                "invalid_api_key", err_type="authentication_error"))
         self._fill_identity(req, head, st.start)
         st.req = req
         st.pool = pool
+        if not self.identity.try_open(req.tenant):
+            return self._reject(st, R.immediate(
+                429, f"tenant {req.tenant!r} has {self.identity.stream_limit(req.tenant)} requests open, its limit",
+                "tenant_stream_limit", retry_after_s=1.0, should_retry=True))
+        st.tenant_open = req.tenant
+        self._tenant_gauge(req.tenant).inc()
         try:
             budgets = self.budgets
             st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
@@ -452,6 +477,10 @@ class Gateway:
             forwarded = True
         else:
             forwarded = False
+        if st.tenant_open is not None:
+            self.identity.close(st.tenant_open)
+            self._tenant_gauge(st.tenant_open).dec()  # type: ignore[attr-defined]
+            st.tenant_open = None
         if st.charge is not None:
             # Never forwarded (shed after the budget check): refund its tokens. Forwarded: keep the estimate
             # until usage is observed (sampled streams correct it).

@@ -44,3 +44,6 @@ UPSTREAM_STATUS = Counter(
     "sluice_upstream_responses_total", "Response status classes seen from replicas.", ["pool", "replica", "class"]
 )
 READY = Gauge("sluice_ready", "1 when the sidecar is serving, 0 while starting or draining.")
+TENANT_OPEN_STREAMS = Gauge(
+    "sluice_tenant_open_streams", "Requests of a tenant open in this sidecar (queued or forwarded); tenants past "
+    "tenants.label_tenants are summed under \"other\".", ["tenant"])

@@ -1,0 +1,70 @@
+"""Auth and per-tenant stream limits through the real gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from extproc.supervisor import Stack
+
+from .conftest import make_stack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def auth_stack(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("auth")
+    keys = Path(tmp) / "keys.yaml"
+    keys.write_text("sk-acme: acme\nsk-globex: globex\n")
+    s = make_stack(tmp, {"tenants": {"auth": True, "keys_file": str(keys), "keys_env": "",
+                                     "max_streams_per_tenant": 2}})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def client(stack: Stack, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def test_missing_or_unknown_key_is_401(auth_stack: Stack):
+    async def run() -> None:
+        async with client(auth_stack, "sk-nope") as c:
+            with pytest.raises(openai.AuthenticationError) as exc:
+                await c.chat.completions.create(model="sim-model", max_tokens=2,
+                                                messages=[{"role": "user", "content": "x"}])
+            assert exc.value.code == "invalid_api_key"
+        async with client(auth_stack, "sk-acme") as c:
+            out = await c.chat.completions.create(model="sim-model", max_tokens=2,
+                                                  messages=[{"role": "user", "content": "x"}])
+            assert out.choices[0].message.content
+    asyncio.run(run())
+
+
+def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack: Stack):
+    async def one(c: openai.AsyncOpenAI) -> str:
+        try:
+            await c.chat.completions.create(model="sim-model", max_tokens=150,
+                                            messages=[{"role": "user", "content": "x"}])
+            return "ok"
+        except openai.RateLimitError as exc:
+            assert exc.code == "tenant_stream_limit"
+            assert exc.response.headers.get("retry-after")
+            return "limited"
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with client(auth_stack, "sk-acme") as acme, client(auth_stack, "sk-globex") as globex:
+            acme_results = asyncio.gather(*(one(acme) for _ in range(5)))
+            await asyncio.sleep(0.05)
+            globex_results = asyncio.gather(*(one(globex) for _ in range(2)))
+            return await acme_results, await globex_results
+
+    acme, globex = asyncio.run(run())
+    assert acme.count("ok") == 2 and acme.count("limited") == 3
+    assert globex == ["ok", "ok"]
