@@ -194,6 +194,7 @@ class Policy:
     routing: dict[str, Any] = field(default_factory=dict)
     budgets: dict[str, Any] = field(default_factory=dict)
     tenants: dict[str, Any] = field(default_factory=dict)
+    streaming: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # file the policy came from (for messages)
 
     def pool_for(self, model: str) -> PoolConfig | None:
@@ -230,7 +231,7 @@ class Policy:
 
 _SECTIONS = {"gateway": GatewayConfig, "sidecar": SidecarConfig, "limits": LimitsConfig,
              "simulator": SimulatorConfig}
-_RAW_SECTIONS = ("admission", "routing", "budgets", "tenants")
+_RAW_SECTIONS = ("admission", "routing", "budgets", "tenants", "streaming")
 
 
 def policy_from_dict(data: dict[str, Any], source: str = "<dict>") -> Policy:

@@ -30,6 +30,7 @@ from extproc.config import Policy
 from extproc.identity import Identity, TenantPolicy, UnknownKey
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.placement import Placer
+from extproc.streaming import ResponseObserver, Sampler, StreamingPolicy
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
 from extproc.xds import ATTRIBUTE_NAMESPACE, DESTINATION_KEY, POOL_HEADER
@@ -86,6 +87,7 @@ class Stream:
     placement: Placement | None = None
     charge: Charge | None = None
     tenant_open: str | None = None  # tenant whose open-stream slot this stream holds
+    observer: ResponseObserver | None = None  # set when this response's body is observed
     budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
     first_byte: float = 0.0
@@ -166,6 +168,8 @@ class Gateway:
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
+        self.streaming = StreamingPolicy.from_dict(policy.streaming)
+        self.sampler = Sampler(self.streaming)
         self._tenant_gauges: dict[str, object] = {}
         self.draining = False
         self.access_log: AccessLogReceiver | None = None
@@ -276,9 +280,13 @@ class Gateway:
                            attributes: Mapping[str, struct_pb2.Struct]) -> pb.ProcessingResponse:
         """Note the head (from the attributes Envoy sends with this first message) and wait for the body."""
         st.start = time.monotonic()
-        st.head = self.read_head(attributes)
+        st.head = head = self.read_head(attributes)
         if msg.end_of_stream:  # no body: nothing to govern, and nothing a replica could serve
             return self._reject(st, R.immediate(400, "request body is required", "missing_body"))
+        if self.sampler.active and self.sampler.observe(head.tenant):
+            # Envoy honours mode_override only in the answer to the headers.
+            st.observer = ResponseObserver(st.start, self.streaming.max_buffer_bytes)
+            return R.CONTINUE_REQUEST_HEADERS_OBSERVED
         return R.CONTINUE_REQUEST_HEADERS
 
     @staticmethod
@@ -397,6 +405,8 @@ class Gateway:
             remaining = req.client_timeout_s - (time.monotonic() - req.arrival)
             timeout_ms = max(1, int(remaining * 1000))
         pin_str = ",".join(r.address for r in placement.pins)
+        if st.observer is not None:
+            st.observer.start = time.monotonic()  # TTFT counts from the decision, not from queue entry
         return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
 
     def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:
@@ -427,11 +437,15 @@ class Gateway:
 
     # ---- response path ---------------------------------------------------------------------------------
     def on_response_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        content_type = ""
         for h in msg.headers.headers:
             if h.key == ":status":
                 st.status = _int(h.raw_value.decode("latin-1"))
-                break
+            elif h.key == "content-type":
+                content_type = h.raw_value.decode("latin-1")
         st.first_byte = time.monotonic()
+        if st.observer is not None:
+            st.observer.on_headers(st.status, content_type)
         if st.state == FORWARDED:
             st.state = DONE if msg.end_of_stream else RESPONDING
         return R.CONTINUE_RESPONSE_HEADERS
@@ -442,9 +456,22 @@ class Gateway:
         return R.CONTINUE_RESPONSE_TRAILERS
 
     def on_response_body(self, st: Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if st.observer is not None:
+            st.observer.on_chunk(msg.body, time.monotonic(), msg.end_of_stream)
         if msg.end_of_stream and st.state in (FORWARDED, RESPONDING):
             st.state = DONE
         return R.CONTINUE_RESPONSE_BODY
+
+    def _record_observation(self, model: str, req: LLMRequest,
+                            obs: ResponseObserver) -> tuple[int | None, int | None]:
+        m.OBSERVED_REQUESTS.labels(model).inc()
+        ttft = obs.ttft_s
+        if ttft is not None:
+            m.OBSERVED_TTFT.labels(model).observe(ttft)
+        prompt = obs.prompt_tokens
+        if prompt is not None and req.prompt_tokens > 0:
+            m.PROMPT_ESTIMATE_RATIO.labels(model).observe(prompt / req.prompt_tokens)
+        return prompt, obs.completion_tokens
 
     # ---- end of stream: always called, exactly once ---------------------------------------------------
     def finish(self, st: Stream) -> str:
@@ -481,11 +508,19 @@ class Gateway:
             self.identity.close(st.tenant_open)
             self._tenant_gauge(st.tenant_open).dec()  # type: ignore[attr-defined]
             st.tenant_open = None
+        prompt_actual = completion_actual = None
+        obs = st.observer
+        if obs is not None and req is not None and st.pool is not None:
+            prompt_actual, completion_actual = self._record_observation(st.pool.model, req, obs)
+            if obs.done and st.state in (FORWARDED, RESPONDING):
+                st.state = DONE
         if st.charge is not None:
-            # Never forwarded (shed after the budget check): refund its tokens. Forwarded: keep the estimate
-            # until usage is observed (sampled streams correct it).
-            zero = None if forwarded else 0
-            (st.budgets or self.budgets).settle_sync(st.charge, completed=forwarded and st.status < 500,
-                                                     prompt_tokens=zero, completion_tokens=zero)
+            # Never forwarded (shed after the budget check): refund its tokens. Forwarded: actual usage where
+            # the body was observed, else the estimate stands.
+            if not forwarded:
+                prompt_actual = completion_actual = 0
+            (st.budgets or self.budgets).settle_sync(
+                st.charge, completed=forwarded and st.state == DONE and st.status < 500,
+                prompt_tokens=prompt_actual, completion_tokens=completion_actual)
             st.charge = None
         return st.state

@@ -47,3 +47,12 @@ READY = Gauge("sluice_ready", "1 when the sidecar is serving, 0 while starting o
 TENANT_OPEN_STREAMS = Gauge(
     "sluice_tenant_open_streams", "Requests of a tenant open in this sidecar (queued or forwarded); tenants past "
     "tenants.label_tenants are summed under \"other\".", ["tenant"])
+OBSERVED_TTFT = Histogram(
+    "sluice_observed_ttft_seconds", "Time to first token of observed (sampled or metered) streaming requests, "
+    "measured by the sidecar from its decision to the first content event.", ["pool"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40))
+OBSERVED_REQUESTS = Counter("sluice_observed_requests_total", "Requests whose response body the sidecar observed.",
+                            ["pool"])
+PROMPT_ESTIMATE_RATIO = Histogram(
+    "sluice_prompt_estimate_ratio", "Replica-reported prompt tokens / the sidecar's estimate, for observed requests "
+    "(calibrates the token estimator).", ["pool"], buckets=(0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0))

@@ -75,6 +75,11 @@ class LLMRequest:
 PREFIX_CHARS = 512  # leading characters of the prompt that identify a template / system prompt
 
 
+# Chat templates add role and separator tokens: about 4 per message plus 3 to prime the reply (OpenAI's rule).
+TOKENS_PER_MESSAGE = 4
+TOKENS_PER_REPLY = 3
+
+
 def _prompt_text(endpoint: str, body: dict[str, Any]) -> tuple[str, str]:
     """Return (full prompt text, leading text used as the template fingerprint)."""
     if endpoint == ENDPOINT_CHAT:
@@ -109,6 +114,12 @@ def _prompt_text(endpoint: str, body: dict[str, Any]) -> tuple[str, str]:
     else:
         raise BadRequest(400, "'prompt' must be a string or an array of strings", "missing_prompt", param="prompt")
     return text, text[:PREFIX_CHARS]
+
+
+def _template_tokens(endpoint: str, body: dict[str, Any]) -> int:
+    if endpoint != ENDPOINT_CHAT:
+        return 0
+    return TOKENS_PER_MESSAGE * len(body["messages"]) + TOKENS_PER_REPLY
 
 
 def _positive_int(body: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -146,7 +157,7 @@ def parse_body(endpoint: str, raw: bytes, estimator: TokenEstimator, default_out
         endpoint=endpoint,
         model=model,
         stream=stream,
-        prompt_tokens=estimator.count(text),
+        prompt_tokens=estimator.count(text) + _template_tokens(endpoint, body),
         max_output_tokens=max_out or default_output_tokens,
         n=n or 1,
         prefix_key=zlib.crc32(lead.encode("utf-8", "surrogatepass")),

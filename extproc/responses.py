@@ -15,10 +15,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
+from extproc.streaming import OBSERVE_MODE
 from extproc.xds import DESTINATION_KEY, LB_NAMESPACE, POOL_HEADER
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+# Continue, and switch this request's response to observed mode (see streaming.py).
+CONTINUE_REQUEST_HEADERS_OBSERVED = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
+                                                          mode_override=OBSERVE_MODE)
 CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())

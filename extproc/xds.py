@@ -261,6 +261,11 @@ def stream_idle_timeout_s(policy: Policy) -> float:
     return policy.sidecar.max_queue_wait_ms / 1000.0 + 60.0
 
 
+def observes_responses(policy: Policy) -> bool:
+    streaming = policy.streaming or {}
+    return bool(streaming.get("sample_rate", 0.02)) or bool(streaming.get("metered_tenants"))
+
+
 def _ext_proc_filter(policy: Policy) -> HttpFilter:
     send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
     processor = ExternalProcessor(
@@ -281,8 +286,10 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
             response_trailer_mode=send,
         ),
         request_attributes=list(REQUEST_ATTRIBUTES),
-        # Pipeline the buffered body right behind the headers: one round trip of latency instead of two.
-        send_body_without_waiting_for_header_response=True,
+        # Pipeline the buffered body right behind the headers: one round trip of latency instead of two. Envoy
+        # then ignores mode_override, so it is off when responses are observed (streaming.sample_rate /
+        # metered_tenants), which needs the override in the answer to the headers.
+        send_body_without_waiting_for_header_response=not observes_responses(policy),
         message_timeout=dt.timedelta(milliseconds=policy.sidecar.message_timeout_ms),
         max_message_timeout=dt.timedelta(milliseconds=policy.sidecar.max_queue_wait_ms + 2000),
         stat_prefix=EXTPROC_STAT_PREFIX,

@@ -194,7 +194,11 @@ class HealthTracker:
     def _evaluate_all(self, now: float) -> None:
         if not self.policy.enabled:
             return
-        for r in self.pool.replicas:
+        replicas = self.pool.replicas
+        if len(self._tracks) > len(replicas):  # replicas left the pool: forget them
+            live = {r.address for r in replicas}
+            self._tracks = {a: t for a, t in self._tracks.items() if a in live}
+        for r in replicas:
             self._evaluate(r, self._track(r), now)
         self._ensure_capacity(now)
 

@@ -68,3 +68,38 @@ def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack
     acme, globex = asyncio.run(run())
     assert acme.count("ok") == 2 and acme.count("limited") == 3
     assert globex == ["ok", "ok"]
+
+
+@pytest.fixture(scope="module")
+def metered_stack(tmp_path_factory: pytest.TempPathFactory):
+    s = make_stack(tmp_path_factory.mktemp("metered"), {"streaming": {"sample_rate": 0.0,
+                                                                       "metered_tenants": ["gold"]}})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_metered_tenant_requests_are_observed(metered_stack: Stack):
+    from .conftest import metric_sum, wait_for
+
+    url = metered_stack.metrics_url
+    c = openai.OpenAI(base_url=metered_stack.base_url + "/v1", api_key="x", max_retries=0,
+                      default_headers={"x-sluice-tenant": "gold"})
+    chunks = list(c.chat.completions.create(model="sim-model", max_tokens=25, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": "word " * 400}]))
+    assert chunks[-1].usage.completion_tokens == 25
+    # the estimator's prompt count vs the replica's: within 30% for plain English
+    assert wait_for(lambda: metric_sum(url, "sluice_prompt_estimate_ratio_count") == 1)
+    ratio = metric_sum(url, "sluice_prompt_estimate_ratio_sum")
+    assert 0.7 < ratio < 1.3, ratio
+    out = c.chat.completions.create(model="sim-model", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert out.usage.completion_tokens == 5
+    assert wait_for(lambda: metric_sum(url, "sluice_observed_requests_total") == 2)
+    assert metric_sum(url, "sluice_observed_ttft_seconds_count") == 1  # streaming only
+    # an unmetered tenant is not observed
+    c2 = openai.OpenAI(base_url=metered_stack.base_url + "/v1", api_key="x", max_retries=0)
+    c2.chat.completions.create(model="sim-model", max_tokens=3, messages=[{"role": "user", "content": "x"}])
+    assert metric_sum(url, "sluice_observed_requests_total") == 2

@@ -85,7 +85,7 @@ def test_bad_completion_prompt():
 def test_multipart_content_counts_text_parts():
     content = [{"type": "text", "text": "x" * 400}, {"type": "image_url", "image_url": {"url": "data:"}}]
     req = parse_body(ENDPOINT_CHAT, chat(messages=[{"role": "user", "content": content}]), EST, 1)
-    assert req.prompt_tokens == 100
+    assert req.prompt_tokens == 100 + 4 + 3  # text + one message + reply priming
 
 
 def test_heuristic_counts_cjk_denser_than_ascii():

@@ -1,0 +1,110 @@
+"""Scraper + health tracker against the project's vLLM-like simulator (in process, loopback), under load:
+a half-dead replica (slow fault: /health would stay 200) is degraded while its healthy peer is not; a crashed
+replica is ejected, and when it comes back it ramps up through slow start to healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import aiohttp
+import pytest
+
+from extproc.config import PoolConfig
+from extproc.routing.health import HealthTracker
+from extproc.routing.policy import RoutingPolicy
+from extproc.routing.pool import DEGRADED, EJECTED, HEALTHY, RECOVERING, Pool
+from extproc.sim.server import SimConfig, SimServer
+
+pytestmark = pytest.mark.timeout(60)
+
+POLICY = {
+    "scrape_interval_s": 0.1, "scrape_timeout_s": 0.5, "window_s": 2.0,
+    "health": {"ttft_p95_degraded_s": 0.3, "min_samples": 3, "tps_floor_per_request": 10.0,
+               "tps_min_span_s": 0.5, "eject_after_s": 30.0, "recover_after_s": 1.0, "ejected_min_s": 1.0,
+               "slow_start_step_s": 0.3, "probe_min_samples": 1},
+}
+
+
+@contextlib.asynccontextmanager
+async def stack(n: int = 2):
+    sims = [await SimServer(SimConfig(port=0, model="m", preset="tiny-cpu", time_scale=1.0, seed=i,
+                                      admin_port=-1)).start() for i in range(n)]
+    pool = Pool.from_config(PoolConfig(model=f"sim-{uuid.uuid4().hex[:6]}",
+                                       replicas=[f"127.0.0.1:{s.port}" for s in sims]))
+    from extproc.routing.scrape import Scraper
+    policy = RoutingPolicy.from_dict(POLICY)
+    scraper = Scraper([pool], policy)
+    tracker = HealthTracker(pool, policy.health)
+    scraper.listeners.append(tracker.on_scrape_round)
+    stop = asyncio.Event()
+    session = aiohttp.ClientSession()
+
+    async def client(sim: SimServer) -> None:  # closed loop, one request at a time
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 24}
+        while not stop.is_set():
+            try:
+                async with session.post(f"{sim.url}/v1/chat/completions", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.sleep(0.05)
+
+    clients = [asyncio.create_task(client(s)) for s in sims for _ in range(2)]
+    await scraper.scrape_once()
+    await scraper.start()
+    try:
+        yield sims, pool, tracker
+    finally:
+        stop.set()
+        await scraper.stop()
+        for c in clients:
+            c.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await session.close()
+        for s in sims:
+            await s.stop()
+
+
+async def wait_for(cond, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_half_dead_replica_is_degraded_and_its_peer_is_not():
+    async with stack() as (sims, pool, tracker):
+        a, b = pool.replicas
+        await asyncio.sleep(1.5)
+        assert (a.state, b.state) == (HEALTHY, HEALTHY)
+        assert a.engine.generation_tps > 0 and a.engine.ttft_count_window > 0
+        await sims[1].apply_fault("slow", 60.0)      # every step 60x slower; the process is alive
+        await wait_for(lambda: b.state == DEGRADED, 8.0)
+        assert b.state_reason.split(":")[0] in ("ttft_p95", "tps_collapse")
+        assert b.weight == 0.25 and a.state == HEALTHY
+        await sims[1].apply_fault("clear")
+        await wait_for(lambda: b.state == HEALTHY, 12.0)  # slow first tokens leave the window, then 1 s good
+        assert a.state == HEALTHY
+
+
+async def test_crashed_replica_is_ejected_and_comes_back_through_slow_start():
+    async with stack() as (sims, pool, tracker):
+        a, b = pool.replicas
+        await asyncio.sleep(0.5)
+        await sims[1].apply_fault("crash")
+        await wait_for(lambda: b.state == EJECTED, 5.0)
+        assert not b.routable and a.state == HEALTHY
+        await sims[1].apply_fault("recover")
+        await wait_for(lambda: b.state == RECOVERING, 5.0)
+        weights = set()
+
+        def healthy_again() -> bool:
+            weights.add(b.weight)
+            return b.state == HEALTHY
+        await wait_for(healthy_again, 10.0)
+        assert {0.1, 0.3, 0.5} <= weights            # every slow-start step was taken
