@@ -29,7 +29,9 @@ from extproc.budgets.policy import BudgetPolicy
 from extproc.config import Policy
 from extproc.identity import Identity, TenantPolicy, UnknownKey
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
+from extproc.routing.health import HealthTracker
 from extproc.routing.placement import Placer
+from extproc.routing.policy import RoutingPolicy
 from extproc.streaming import ResponseObserver, Sampler, StreamingPolicy
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
@@ -162,11 +164,15 @@ class Gateway:
         self.max_body = lim.max_body_bytes
         self.default_output = lim.default_output_tokens
         self.admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
-        self.placers = {name: Placer(pool, self.admission) for name, pool in self.pools.items()}
+        self.routing = RoutingPolicy.from_dict(policy.routing)
+        self.health = {name: HealthTracker(pool, self.routing.health) for name, pool in self.pools.items()}
+        self.placers = {name: self._placer(pool) for name, pool in self.pools.items()}
         self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
                            for name, pool in self.pools.items()}
+        self._pool_by_cluster = {pool.cluster: pool for pool in self.pools.values()}
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
+        self.scraper = None  # set by the server when scraping is on
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
         self.streaming = StreamingPolicy.from_dict(policy.streaming)
         self.sampler = Sampler(self.streaming)
@@ -191,6 +197,7 @@ class Gateway:
         if len(admission.lanes) != len(self.admission.lanes):
             raise ValueError("admission.lanes: changing the number of lanes needs a restart")
         budget_policy = BudgetPolicy.from_dict(policy.budgets)
+        routing = RoutingPolicy.from_dict(policy.routing)
         identity = Identity(TenantPolicy.from_dict(policy.tenants))
         identity.open_streams = self.identity.open_streams
         changes: list[str] = []
@@ -214,9 +221,16 @@ class Gateway:
         self.admission = admission
         self.identity = identity
         self.pools = new_pools
-        freshness = next(iter(self.placers.values())).is_fresh if self.placers else None
+        self.routing = routing
+        self.health = {name: self.health[name] if name in self.health and self.health[name].pool is pool
+                       else HealthTracker(pool, routing.health) for name, pool in new_pools.items()}
+        for tracker in self.health.values():
+            tracker.policy = routing.health
         old_schedulers = self.schedulers
-        self.placers = {name: Placer(pool, admission, freshness) for name, pool in new_pools.items()}
+        self._pool_by_cluster = {pool.cluster: pool for pool in new_pools.values()}
+        self.placers = {name: self._placer(pool) for name, pool in new_pools.items()}
+        if self.scraper is not None:
+            self.scraper.pools[:] = list(new_pools.values())
         self.schedulers = {name: Scheduler(pool, admission, self.placers[name]) for name, pool in new_pools.items()}
         for name, old_sched in old_schedulers.items():
             self._migrate_queue(old_sched, self.schedulers.get(name))
@@ -256,11 +270,39 @@ class Gateway:
     def attach_access_log(self, receiver: AccessLogReceiver) -> None:
         """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
         self.access_log = receiver
+        receiver.listeners.append(self.on_access_log)
+
+    def _placer(self, pool: Pool) -> Placer:
+        placer = Placer(pool, self.admission, self._is_fresh)
+        if self.routing.health.enabled:
+            placer.allow_probe = self.health[pool.model].allow_probe
+        return placer
+
+    _is_fresh: "Callable[[Replica, float], bool] | None" = None  # noqa: F821
 
     def set_freshness(self, is_fresh: "Callable[[Replica, float], bool]") -> None:  # noqa: F821
         """With a scraper running, replicas whose metrics are stale count as saturated."""
+        self._is_fresh = is_fresh
         for placer in self.placers.values():
             placer.is_fresh = is_fresh
+
+    def on_scrape_round(self) -> None:
+        """After every scrape: health re-evaluates each replica (weights, states), then queued requests that
+        now fit are dispatched."""
+        if self.routing.health.enabled:
+            now = time.monotonic()
+            for tracker in self.health.values():
+                tracker.on_scrape_round(now)
+        self.kick_all()
+
+    def on_access_log(self, outcome: str, entry: "HTTPAccessLogEntry") -> None:  # noqa: F821
+        """Envoy's access log says how each forwarded request ended on which replica: errors feed health."""
+        pool = self._pool_by_cluster.get(entry.common_properties.upstream_cluster)
+        if pool is None or not self.routing.health.enabled:
+            return
+        sock = entry.common_properties.upstream_remote_address.socket_address
+        if sock.address:
+            self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome)
 
     def capacity_tokens_per_s(self, model: str) -> float:
         """A pool's token throughput (prompt prefill rate x replicas), for P10's capacity-at-cost report."""

@@ -26,6 +26,7 @@ from extproc import responses as R
 from extproc.config import Policy
 from extproc.admission.queue import Waiter
 from extproc.gateway import Gateway, Stream
+from extproc.routing.scrape import Scraper
 
 log = logging.getLogger("sluice.server")
 
@@ -86,6 +87,18 @@ def make_http_app(gateway: Gateway, state: dict[str, bool]) -> web.Application:
     return app
 
 
+def _start_scraper(gateway: Gateway) -> Scraper | None:
+    """Scrape every replica's engine metrics (routing.scrape_interval_s; 0 turns scraping off, and then only
+    the sidecar's own accounting is used)."""
+    if gateway.routing.scrape_interval_s <= 0:
+        return None
+    scraper = Scraper(list(gateway.pools.values()), gateway.routing)
+    scraper.listeners.append(gateway.on_scrape_round)
+    gateway.set_freshness(scraper.is_fresh)
+    gateway.scraper = scraper
+    return scraper
+
+
 async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit."""
     gateway = Gateway(policy)
@@ -108,6 +121,10 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     await runner.setup()
     site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
     await gateway.budgets.start()
+    scraper = _start_scraper(gateway)
+    if scraper is not None:
+        await scraper.scrape_once()  # first numbers before taking traffic (stale counts as saturated)
+        await scraper.start()
     await server.start()
     await site.start()
     state["ready"] = True
@@ -129,4 +146,6 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
     await runner.cleanup()
+    if scraper is not None:
+        await scraper.stop()
     await gateway.budgets.close()

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from extproc.admin import admin_pb2 as pb
 from extproc.admin import admin_pb2_grpc as pb_grpc
@@ -32,9 +34,39 @@ def admin_addresses(policy: Policy) -> list[str]:
     return [f"127.0.0.1:{sc.admin_port + i}" for i in range(max(1, sc.workers))]
 
 
-def to_dict(msg: object) -> dict:
-    return MessageToDict(msg, preserving_proto_field_name=True,  # type: ignore[arg-type]
-                         always_print_fields_with_no_presence=True)
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _repeated(f: FieldDescriptor) -> bool:
+    rep = getattr(f, "is_repeated", None)
+    return bool(rep) if rep is not None else f.label == FieldDescriptor.LABEL_REPEATED  # older protobuf
+
+
+def _numbers(value: dict, desc: Descriptor) -> dict:
+    """proto3 JSON writes 64-bit integers as strings; a status for humans and jq wants numbers."""
+    for f in desc.fields:
+        if f.name not in value:
+            continue
+        v = value[f.name]
+        sub = f.message_type
+        if sub is not None and sub.GetOptions().map_entry:
+            vf = sub.fields_by_name["value"]
+            if vf.type in _INT64:
+                value[f.name] = {k: int(x) for k, x in v.items()}
+            elif vf.message_type is not None:
+                value[f.name] = {k: _numbers(x, vf.message_type) for k, x in v.items()}
+        elif sub is not None:
+            value[f.name] = [_numbers(x, sub) for x in v] if _repeated(f) else _numbers(v, sub)
+        elif f.type in _INT64:
+            value[f.name] = [int(x) for x in v] if _repeated(f) else int(v)
+    return value
+
+
+def to_dict(msg: Message) -> dict:
+    """A message as a JSON-ready dict: proto field names, every field present, 64-bit integers as numbers."""
+    d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _numbers(d, msg.DESCRIPTOR)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Callable
 
 from extproc.admission.policy import AdmissionPolicy
 from extproc.request import LLMRequest
-from extproc.routing.pool import Pool, Replica
+from extproc.routing.pool import EJECTED, Pool, Replica
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
 NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE = (
@@ -35,6 +35,7 @@ class Placer:
         self.pool = pool
         self.policy = policy
         self.is_fresh = is_fresh
+        self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s
         n_lanes = len(policy.lanes)
         for r in pool.replicas:
@@ -64,10 +65,13 @@ class Placer:
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float) -> str | None:
         pol = self.policy
         if not r.routable:
-            return NOT_ROUTABLE
+            if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
+                    and self.allow_probe is not None and self.allow_probe(r, now)):
+                return NOT_ROUTABLE
+            return None  # a probe: one request tells health whether the replica is back
         if self.is_fresh is not None and not self.is_fresh(r, now):
             return STALE
-        w = r.weight
+        w = r.weight or 0.1
         lane_set = self._lane_sets[lane]
         if lane_set and r.address not in lane_set:
             return LANE

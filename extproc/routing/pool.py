@@ -36,6 +36,12 @@ class EngineState:
     prompt_tps: float = 0.0             # prompt tokens/s processed over the recent window
     errors_total: float = 0.0           # scraped failures (finished_reason=error/abort), if exported
     scrape_failures: int = 0           # consecutive failed scrapes
+    window_span_s: float = 0.0          # how much history the windowed values cover
+    running_avg: float = 0.0            # mean running requests over the window
+    waiting_avg: float = 0.0            # mean waiting requests over the window
+    preemptions_window: float = 0.0     # preemptions within the window (P9)
+    prefix_hit_rate: float = 0.0        # prefix-cache hit share within the window
+    restarted: bool = False             # counters went down: the engine restarted (recovery -> slow start)
 
 
 @dataclass(slots=True, eq=False)
