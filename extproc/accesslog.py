@@ -24,6 +24,7 @@ log = logging.getLogger("sluice.accesslog")
 COMPLETED, CANCELLED, TIMEOUT, FAILED = "completed", "cancelled", "timeout", "failed"
 
 EntryListener = Callable[[str, al.HTTPAccessLogEntry], None]
+ProgressListener = Callable[[str, int], None]  # (request id, bytes written to the client so far)
 
 
 def classify(entry: al.HTTPAccessLogEntry) -> str | None:
@@ -54,6 +55,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self._pool_of = cluster_to_pool
         self._counters: dict[tuple[str, str], object] = {}
         self.listeners: list[EntryListener] = []
+        self.progress_listeners: list[ProgressListener] = []
 
     def _count(self, pool: str, outcome: str) -> None:
         child = self._counters.get((pool, outcome))
@@ -62,6 +64,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         child.inc()  # type: ignore[attr-defined]
 
     def handle(self, entry: al.HTTPAccessLogEntry) -> None:
+        if entry.common_properties.intermediate_log_entry:
+            for listener in self.progress_listeners:
+                listener(entry.request.request_id, entry.common_properties.downstream_wire_bytes_sent)
+            return
         outcome = classify(entry)
         if outcome is None:
             return

@@ -66,6 +66,7 @@ class GatewayConfig:
     buffer_limit_bytes: int = 65536         # per-connection buffer on the listener and replica clusters (P13)
     http2_stream_window_bytes: int = 65536  # HTTP/2 initial stream window toward clients and the sidecar (P13)
     http2_max_concurrent_streams: int = 256  # per client connection (P12)
+    socket_send_buffer_bytes: int = 0       # SO_SNDBUF of client connections; 0 = kernel default (autotuned, MBs)
     max_downstream_connections: int = 10000  # overload manager: excess connections are closed at accept (P12)
     stream_idle_timeout_s: float = 0.0      # 0 = derived: longest queue wait + longest expected TTFT + margin
     request_timeout_s: float = 0.0          # route timeout for a whole response; 0 = none (streams can be long)
@@ -143,7 +144,7 @@ class PoolConfig:
 
     model: str = ""
     replicas: list[str] = field(default_factory=list)  # "ip:port" of each replica (vLLM, SGLang, simulator)
-    metrics_style: str = "vllm"                          # vllm | sglang: which metric names the replicas export
+    metrics_style: str = "vllm"  # vllm | sglang: the replicas' metric names; none: no /metrics (own accounting only)
 
     @property
     def cluster(self) -> str:
@@ -162,8 +163,8 @@ class PoolConfig:
             _check_port(int(m["port"]), f"{where}.replicas[{addr}]")
         if len(set(self.replicas)) != len(self.replicas):
             raise PolicyError(f"{where}.replicas: duplicate address")
-        if self.metrics_style not in ("vllm", "sglang"):
-            raise PolicyError(f"{where}.metrics_style must be vllm or sglang")
+        if self.metrics_style not in ("vllm", "sglang", "none"):
+            raise PolicyError(f"{where}.metrics_style must be vllm, sglang or none")
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -32,7 +32,7 @@ from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.health import HealthTracker
 from extproc.routing.placement import Placer
 from extproc.routing.policy import RoutingPolicy
-from extproc.streaming import ResponseObserver, Sampler, StreamingPolicy
+from extproc.streaming import DrainWatch, ResponseObserver, Sampler, StreamingPolicy
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
 from extproc.xds import ATTRIBUTE_NAMESPACE, DESTINATION_KEY, POOL_HEADER
@@ -90,6 +90,9 @@ class Stream:
     charge: Charge | None = None
     tenant_open: str | None = None  # tenant whose open-stream slot this stream holds
     observer: ResponseObserver | None = None  # set when this response's body is observed
+    watch: DrainWatch | None = None  # slow-consumer tracking (streaming.slow_consumer)
+    task: asyncio.Task | None = None  # the servicer task, so a slow stream can be cut from outside
+    cut: bool = False
     budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
     first_byte: float = 0.0
@@ -173,6 +176,7 @@ class Gateway:
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
         self.scraper = None  # set by the server when scraping is on
+        self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
         self.streaming = StreamingPolicy.from_dict(policy.streaming)
         self.sampler = Sampler(self.streaming)
@@ -230,7 +234,7 @@ class Gateway:
         self._pool_by_cluster = {pool.cluster: pool for pool in new_pools.values()}
         self.placers = {name: self._placer(pool) for name, pool in new_pools.items()}
         if self.scraper is not None:
-            self.scraper.pools[:] = list(new_pools.values())
+            self.scraper.pools[:] = [p for p in new_pools.values() if p.metrics_style != "none"]
         self.schedulers = {name: Scheduler(pool, admission, self.placers[name]) for name, pool in new_pools.items()}
         for name, old_sched in old_schedulers.items():
             self._migrate_queue(old_sched, self.schedulers.get(name))
@@ -271,6 +275,19 @@ class Gateway:
         """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
         self.access_log = receiver
         receiver.listeners.append(self.on_access_log)
+        receiver.progress_listeners.append(self.on_progress)
+
+    def on_progress(self, request_id: str, bytes_sent: int) -> None:
+        """Envoy's periodic report of an open request: cut it if its client drains too slowly (P13)."""
+        st = self.live.get(request_id)
+        if st is None or st.watch is None or st.cut:
+            return
+        if st.watch.update(bytes_sent, time.monotonic(), self.streaming.slow_consumer):
+            st.cut = True
+            if st.pool is not None:
+                m.SLOW_STREAMS_CUT.labels(st.pool.model).inc()
+            if st.task is not None:
+                st.task.cancel()  # the servicer answers with an immediate response: client and replica reset
 
     def _placer(self, pool: Pool) -> Placer:
         placer = Placer(pool, self.admission, self._is_fresh)
@@ -449,6 +466,10 @@ class Gateway:
         pin_str = ",".join(r.address for r in placement.pins)
         if st.observer is not None:
             st.observer.start = time.monotonic()  # TTFT counts from the decision, not from queue entry
+        if self.streaming.slow_consumer.enabled and req.request_id:
+            st.watch = DrainWatch()
+            st.task = asyncio.current_task()
+            self.live[req.request_id] = st
         return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
 
     def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:
@@ -531,6 +552,9 @@ class Gateway:
                 if not fut.done():
                     fut.cancel()
         placement, req = st.placement, st.req
+        if st.watch is not None and req is not None:
+            self.live.pop(req.request_id, None)
+            st.watch = None
         if placement is not None and req is not None:
             replica = placement.replica
             if placement.owner is not None:

@@ -56,3 +56,6 @@ OBSERVED_REQUESTS = Counter("sluice_observed_requests_total", "Requests whose re
 PROMPT_ESTIMATE_RATIO = Histogram(
     "sluice_prompt_estimate_ratio", "Replica-reported prompt tokens / the sidecar's estimate, for observed requests "
     "(calibrates the token estimator).", ["pool"], buckets=(0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0))
+SLOW_STREAMS_CUT = Counter("sluice_slow_streams_cut_total",
+                           "Streams cut because the client drained slower than streaming.slow_consumer allows "
+                           "(the replica's work is cancelled with them).", ["pool"])

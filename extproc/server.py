@@ -63,6 +63,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield R.CONTINUE_REQUEST_TRAILERS
         except asyncio.CancelledError:
+            if st.cut:
+                # Cut by the sidecar (slow consumer): an unsolicited immediate response makes Envoy reset both
+                # the client's stream and the replica's, which stops the generation.
+                yield R.immediate(408, "the client read the stream too slowly; it was cut", "slow_consumer")
+                return
             # Envoy reset the stream: client gone, or the request simply ended (Envoy half-closes then
             # resets). `finish` tells which from what was seen, not from this exception.
             raise
@@ -88,13 +93,18 @@ def make_http_app(gateway: Gateway, state: dict[str, bool]) -> web.Application:
 
 
 def _start_scraper(gateway: Gateway) -> Scraper | None:
-    """Scrape every replica's engine metrics (routing.scrape_interval_s; 0 turns scraping off, and then only
-    the sidecar's own accounting is used)."""
-    if gateway.routing.scrape_interval_s <= 0:
+    """Scrape every replica's engine metrics every routing.scrape_interval_s. Pools with metrics_style "none"
+    (OpenAI-compatible servers without /metrics) are not scraped: only the sidecar's own accounting is used."""
+    scraped = [p for p in gateway.pools.values() if p.metrics_style != "none"]
+    if not scraped:
         return None
-    scraper = Scraper(list(gateway.pools.values()), gateway.routing)
+    scraper = Scraper(scraped, gateway.routing)
     scraper.listeners.append(gateway.on_scrape_round)
-    gateway.set_freshness(scraper.is_fresh)
+    unscraped = {p.model for p in gateway.pools.values() if p.metrics_style == "none"}
+    if unscraped:
+        gateway.set_freshness(lambda r, now: r.pool in unscraped or scraper.is_fresh(r, now))
+    else:
+        gateway.set_freshness(scraper.is_fresh)
     gateway.scraper = scraper
     return scraper
 

@@ -10,6 +10,10 @@ The `streaming:` policy section:
                               # saves ~0.1 ms per request
     metered_tenants: []       # tenants whose every request is observed (exact token accounting)
     max_buffer_bytes: 1048576 # a non-streaming JSON body is buffered up to this size to read its usage
+    slow_consumer:            # P13: cut streams whose client drains slower than a floor
+      min_bytes_per_s: 0      #   drain-rate floor (bytes/s written to the client); 0 = off
+      grace_s: 10             #   how long a stream may stay under the floor before it is cut
+      report_interval_s: 2    #   Envoy reports each open request's bytes this often (access-log flush)
 """
 
 from __future__ import annotations
@@ -34,10 +38,22 @@ OBSERVE_MODE = pm.ProcessingMode(
 
 
 @dataclass
+class SlowConsumerPolicy:
+    min_bytes_per_s: float = 0.0
+    grace_s: float = 10.0
+    report_interval_s: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_bytes_per_s > 0
+
+
+@dataclass
 class StreamingPolicy:
     sample_rate: float = 0.02
     metered_tenants: list[str] = field(default_factory=list)
     max_buffer_bytes: int = 1 << 20
+    slow_consumer: SlowConsumerPolicy = field(default_factory=SlowConsumerPolicy)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "StreamingPolicy":
@@ -45,7 +61,14 @@ class StreamingPolicy:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"streaming: unknown field(s) {', '.join(unknown)}")
-        policy = cls(**data)
+        slow = dict(data.pop("slow_consumer", None) or {})
+        bad = sorted(set(slow) - {f.name for f in dataclasses.fields(SlowConsumerPolicy)})
+        if bad:
+            raise ValueError(f"streaming.slow_consumer: unknown field(s) {', '.join(bad)}")
+        policy = cls(**data, slow_consumer=SlowConsumerPolicy(**slow))
+        sc = policy.slow_consumer
+        if sc.min_bytes_per_s < 0 or sc.grace_s <= 0 or sc.report_interval_s <= 0:
+            raise ValueError("streaming.slow_consumer: min_bytes_per_s >= 0, grace_s > 0, report_interval_s > 0")
         if not 0.0 <= policy.sample_rate <= 1.0:
             raise ValueError("streaming.sample_rate must be in [0, 1]")
         return policy
@@ -161,3 +184,29 @@ class ResponseObserver:
         if self.usage and isinstance(self.usage.get("prompt_tokens"), int):
             return self.usage["prompt_tokens"]
         return None
+
+
+class DrainWatch:
+    """Per open request: the client's drain rate from Envoy's periodic access-log reports (bytes written to the
+    downstream socket), and since when it has stayed under the floor."""
+
+    __slots__ = ("bytes", "at", "slow_since")
+
+    def __init__(self) -> None:
+        self.bytes = -1
+        self.at = 0.0
+        self.slow_since = 0.0
+
+    def update(self, sent: int, now: float, policy: SlowConsumerPolicy) -> bool:
+        """Record a report; True when the stream has been too slow for longer than the grace period."""
+        prev_bytes, prev_at = self.bytes, self.at
+        self.bytes, self.at = sent, now
+        if prev_bytes < 0 or sent <= 0 or now <= prev_at:
+            return False  # first report, or nothing sent yet (queued / before the first token): not judged
+        rate = (sent - prev_bytes) / (now - prev_at)
+        if rate >= policy.min_bytes_per_s:
+            self.slow_since = 0.0
+            return False
+        if not self.slow_since:
+            self.slow_since = prev_at
+        return now - self.slow_since >= policy.grace_s

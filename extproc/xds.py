@@ -46,6 +46,8 @@ from envoy_data_plane.envoy.config.core.v3 import (
     PathConfigSource,
     RoutingPriority,
     SocketAddress,
+    SocketOption,
+    SocketOptionSocketState,
     TypedExtensionConfig,
     WatchedDirectory,
 )
@@ -89,6 +91,7 @@ from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
     HttpConnectionManagerCodecType,
+    HttpConnectionManagerHcmAccessLogOptions,
     HttpFilter,
     LocalReplyConfig,
     ResponseMapper,
@@ -420,6 +423,16 @@ def _grpc_access_log(policy: Policy) -> AccessLog:
     return AccessLog(name="envoy.access_loggers.http_grpc", typed_config=PbAny.pack(cfg))
 
 
+def _access_log_options(policy: Policy) -> HttpConnectionManagerHcmAccessLogOptions | None:
+    """Periodic reports of every open request (bytes sent to the client) only when slow consumers are cut:
+    each report costs the sidecar a little, per open request."""
+    slow = (policy.streaming or {}).get("slow_consumer") or {}
+    if not slow.get("min_bytes_per_s"):
+        return None
+    return HttpConnectionManagerHcmAccessLogOptions(
+        access_log_flush_interval=_secs(float(slow.get("report_interval_s", 2.0))))
+
+
 def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
     gw = policy.gateway
     filters = []
@@ -432,6 +445,7 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
         route_config=render_route_config(policy, mode),
         local_reply_config=render_local_reply(policy),
         access_log=[_grpc_access_log(policy)] if mode == "sluice" else [],
+        access_log_options=_access_log_options(policy) if mode == "sluice" else None,
 
         http_filters=filters,
         stream_idle_timeout=_secs(stream_idle_timeout_s(policy)),
@@ -442,9 +456,16 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
             initial_connection_window_size=max(gw.http2_stream_window_bytes * 16, 1 << 20),
         ),
     )
+    socket_options = []
+    if gw.socket_send_buffer_bytes:
+        # Accepted connections inherit the listener's SO_SNDBUF: bounds kernel memory per slow client (P13).
+        socket_options.append(SocketOption(description="SO_SNDBUF", level=1, name=7,
+                                           int_value=gw.socket_send_buffer_bytes,
+                                           state=SocketOptionSocketState.STATE_PREBIND))
     return Listener(
         name=LISTENER_NAME,
         address=_addr(gw.host, gw.port),
+        socket_options=socket_options,
         per_connection_buffer_limit_bytes=gw.buffer_limit_bytes,
         filter_chains=[FilterChain(filters=[Filter(
             name="envoy.filters.network.http_connection_manager", typed_config=PbAny.pack(hcm))])],
