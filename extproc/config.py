@@ -95,8 +95,18 @@ class SidecarConfig:
     message_timeout_ms: int = 1000     # Envoy waits this long for each sidecar answer (except held requests)
     max_queue_wait_ms: int = 30000     # longest a request may be held in the sidecar's queue
     workers: int = 1                   # sidecar processes behind the ext_proc cluster (more cores)
+    max_open_requests: int = 0         # per process, queued + forwarded; beyond it a clean 429 (P12). 0 = derived:
+                                       # 90% of gateway.max_downstream_connections / workers, so the sidecar
+                                       # refuses with an HTTP error before Envoy must drop connections at accept
+
+    def open_request_cap(self, max_downstream_connections: int) -> int:
+        if self.max_open_requests > 0:
+            return self.max_open_requests
+        return max(1, int(0.9 * max_downstream_connections / max(1, self.workers)))
 
     def validate(self) -> None:
+        if self.workers < 1:
+            raise PolicyError("sidecar.workers must be >= 1")
         for name in ("grpc_port", "metrics_port", "admin_port"):
             _check_port(getattr(self, name), f"sidecar.{name}")
         if self.message_timeout_ms < 50:

@@ -89,6 +89,7 @@ class Stream:
     placement: Placement | None = None
     charge: Charge | None = None
     tenant_open: str | None = None  # tenant whose open-stream slot this stream holds
+    counted_open: bool = False  # holds one of the sidecar's open-request slots
     observer: ResponseObserver | None = None  # set when this response's body is observed
     watch: DrainWatch | None = None  # slow-consumer tracking (streaming.slow_consumer)
     task: asyncio.Task | None = None  # the servicer task, so a slow stream can be cut from outside
@@ -176,6 +177,8 @@ class Gateway:
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
         self.scraper = None  # set by the server when scraping is on
+        self.open_requests = 0
+        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
         self.streaming = StreamingPolicy.from_dict(policy.streaming)
@@ -224,6 +227,7 @@ class Gateway:
         self.policy = policy
         self.admission = admission
         self.identity = identity
+        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.pools = new_pools
         self.routing = routing
         self.health = {name: self.health[name] if name in self.health and self.health[name].pool is pool
@@ -395,6 +399,13 @@ class Gateway:
         self._fill_identity(req, head, st.start)
         st.req = req
         st.pool = pool
+        if self.open_requests >= self.open_cap:
+            return self._reject(st, R.immediate(
+                429, f"the gateway holds {self.open_requests} open requests, its limit; retry shortly",
+                "gateway_at_capacity", retry_after_s=1.0, should_retry=True,
+                extra_headers={"connection": "close"}))
+        self.open_requests += 1
+        st.counted_open = True
         if not self.identity.try_open(req.tenant):
             return self._reject(st, R.immediate(
                 429, f"tenant {req.tenant!r} has {self.identity.stream_limit(req.tenant)} requests open, its limit",
@@ -570,6 +581,9 @@ class Gateway:
             forwarded = True
         else:
             forwarded = False
+        if st.counted_open:
+            self.open_requests -= 1
+            st.counted_open = False
         if st.tenant_open is not None:
             self.identity.close(st.tenant_open)
             self._tenant_gauge(st.tenant_open).dec()  # type: ignore[attr-defined]
@@ -586,7 +600,7 @@ class Gateway:
             if not forwarded:
                 prompt_actual = completion_actual = 0
             (st.budgets or self.budgets).settle_sync(
-                st.charge, completed=forwarded and st.state == DONE and st.status < 500,
+                st.charge, completed=forwarded and st.status < 500,
                 prompt_tokens=prompt_actual, completion_tokens=completion_actual)
             st.charge = None
         return st.state

@@ -59,3 +59,6 @@ PROMPT_ESTIMATE_RATIO = Histogram(
 SLOW_STREAMS_CUT = Counter("sluice_slow_streams_cut_total",
                            "Streams cut because the client drained slower than streaming.slow_consumer allows "
                            "(the replica's work is cancelled with them).", ["pool"])
+OPEN_REQUESTS_CAP = Gauge("sluice_open_requests_limit",
+                          "Open (queued + forwarded) requests this sidecar process accepts before answering 429 "
+                          "gateway_at_capacity; alert when sluice_open_streams approaches it (P12).")

@@ -139,6 +139,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     await site.start()
     state["ready"] = True
     m.READY.set(1)
+    m.OPEN_REQUESTS_CAP.set(gateway.open_cap)
     log.info("sidecar ready: ext_proc on %s, metrics on http://%s:%d/metrics", grpc_addr, sc.metrics_host,
              sc.metrics_port + worker)
     print(f"sidecar ready on {grpc_addr}", flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from extproc.admission import metrics as am
@@ -48,26 +49,28 @@ class Placement:
 
 
 class DrainRate:
-    """Dispatches per second over a short horizon (EWMA), for retry-after."""
+    """Dispatches per second over the last few seconds, for retry-after and early shedding. A window of
+    timestamps (bounded), not an EWMA: right after a quiet period an EWMA starting from zero would
+    underestimate the rate and shed requests that would have been served in time."""
 
-    __slots__ = ("rate", "last")
+    __slots__ = ("times", "window_s")
 
-    def __init__(self) -> None:
-        self.rate = 0.0
-        self.last = 0.0
+    def __init__(self, window_s: float = 5.0, max_events: int = 4096) -> None:
+        self.times: deque[float] = deque(maxlen=max_events)
+        self.window_s = window_s
 
     def tick(self, now: float) -> None:
-        if self.last:
-            dt = max(now - self.last, 1e-3)
-            alpha = min(1.0, dt / 5.0)
-            self.rate = (1 - alpha) * self.rate + alpha * (1.0 / dt)
-        self.last = now
+        self.times.append(now)
 
     def current(self, now: float) -> float:
-        if not self.last:
+        times = self.times
+        horizon = now - self.window_s
+        while times and times[0] < horizon:
+            times.popleft()
+        if len(times) < 2:
             return 0.0
-        idle = now - self.last
-        return self.rate if idle < 5.0 else self.rate * 5.0 / idle
+        span = max(now - times[0], times[-1] - times[0], 1e-3)
+        return (len(times) - 1) / span
 
 
 class Scheduler:
@@ -111,6 +114,15 @@ class Scheduler:
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
+        expected = self._expected_wait(lane, now)
+        if expected is not None and expected > wait_budget:
+            # Waiting cannot help: say so now (P1: shed early, in milliseconds, not after a futile wait).
+            self.m.shed(lane, "wait_exceeds_deadline")
+            too_long = req.client_timeout_s is not None and expected > req.client_timeout_s
+            raise Shed(429, "queue_wait_exceeds_deadline",
+                       f"about {expected:.1f}s of queue ahead on {req.model}, more than this request may wait "
+                       f"({wait_budget:.1f}s); retry later", retry_after_s=min(60.0, expected),
+                       should_retry=not too_long)
         if len(queue) >= pol.lanes[lane].max_queue:
             victim = queue.lowest_priority_newest(below=prio)
             if victim is None:
@@ -136,6 +148,16 @@ class Scheduler:
             left = req.client_timeout_s - (now - req.arrival) - (0.0 if req.stream else service)
             budget = min(budget, left)
         return budget
+
+    def _expected_wait(self, lane: int, now: float) -> float | None:
+        """Queue ahead / recent dispatch rate of the lane; None when there is no queue or no recent rate."""
+        ahead = len(self.queues[lane])
+        if not ahead:
+            return None
+        rate = self.drain[lane].current(now)
+        if rate <= 0:
+            return None
+        return (ahead + 1) / rate
 
     def _lane_allows(self, lane: int, req: LLMRequest) -> bool:
         lp = self.policy.lanes[lane]

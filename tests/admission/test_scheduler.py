@@ -167,3 +167,20 @@ def test_policy_validation_names_fields():
         admission_policy_from_dict({"bogus": 1}, 1.0)
     assert isinstance(admission_policy_from_dict({}, 3.0).lanes[0], LanePolicy)
     assert admission_policy_from_dict({}, 3.0).max_wait_s == 3.0
+
+
+async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
+    """P1: with a known drain rate, a request that would wait past its budget is refused on arrival."""
+    s = make(n_replicas=1, max_concurrency_per_replica=1, max_wait_s=2.0)
+    first = s.submit(req(), 0.0)
+    assert isinstance(first, Placement)
+    # establish a drain rate of about 2 dispatches/s
+    for t in (0.5, 1.0, 1.5, 2.0):
+        s.drain[0].tick(t)
+    queued = [s.submit(req(), 2.0) for _ in range(3)]
+    assert all(isinstance(w, Waiter) for w in queued)
+    with pytest.raises(Shed) as exc:
+        for _ in range(10):
+            s.submit(req(), 2.0)
+    assert exc.value.code == "queue_wait_exceeds_deadline"
+    assert exc.value.status == 429 and exc.value.retry_after_s >= 2.0

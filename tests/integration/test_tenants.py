@@ -103,3 +103,34 @@ def test_metered_tenant_requests_are_observed(metered_stack: Stack):
     c2 = openai.OpenAI(base_url=metered_stack.base_url + "/v1", api_key="x", max_retries=0)
     c2.chat.completions.create(model="sim-model", max_tokens=3, messages=[{"role": "user", "content": "x"}])
     assert metric_sum(url, "sluice_observed_requests_total") == 2
+
+
+@pytest.fixture(scope="module")
+def capped_stack(tmp_path_factory: pytest.TempPathFactory):
+    s = make_stack(tmp_path_factory.mktemp("capped"), {"sidecar": {"max_open_requests": 3}})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_open_request_cap_rejects_excess_cleanly(capped_stack: Stack):
+    """P12: beyond the sidecar's open-request cap, requests get a clean 429 (and the connection is released),
+    while the admitted ones keep streaming."""
+    import httpx
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=capped_stack.base_url, timeout=30) as http:
+            async def one() -> int:
+                body = {"model": "sim-model", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}]}
+                r = await http.post("/v1/chat/completions", json=body)
+                if r.status_code == 429:
+                    assert r.json()["error"]["code"] == "gateway_at_capacity"
+                    assert r.headers["x-should-retry"] == "true"
+                return r.status_code
+            return await asyncio.gather(*(one() for _ in range(8)))
+
+    statuses = asyncio.run(run())
+    assert statuses.count(200) >= 3 and statuses.count(429) >= 1
+    assert set(statuses) <= {200, 429}
