@@ -6,6 +6,7 @@
     sluice check [--config FILE]     validate the policy and the rendered Envoy config
     sluice sim ...                   a simulated vLLM replica (see `sluice sim --help`)
     sluice bench ...                 benchmarks (overhead, the P1..P13 scenarios)
+    sluice status | drain R | undrain R | reload | top    operate a running sidecar (admin API)
 """
 
 from __future__ import annotations
@@ -194,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
     sub.add_parser("sim", help="simulated vLLM replica (sluice sim --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks (sluice bench --help)", add_help=False)
+    from extproc.opscli import HELP as OPS_HELP
+
+    for name, text in OPS_HELP.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -203,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_sim(argv[1:])
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    from extproc.opscli import SUBCOMMANDS as OPS
+
+    if argv and argv[0] in OPS:
+        return OPS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -62,7 +62,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"                 # listener address for client traffic
     port: int = 8080                        # listener port (the base URL is http://host:port/v1)
     admin_host: str = "127.0.0.1"           # Envoy admin (stats at /stats/prometheus); keep it on loopback
-    admin_port: int = 9901
+    admin_port: int = 9901                  # Envoy admin port: /stats/prometheus, /ready, /clusters
     buffer_limit_bytes: int = 65536         # per-connection buffer on the listener and replica clusters (P13)
     http2_stream_window_bytes: int = 65536  # HTTP/2 initial stream window toward clients and the sidecar (P13)
     http2_max_concurrent_streams: int = 256  # per client connection (P12)
@@ -73,7 +73,7 @@ class GatewayConfig:
     num_retries: int = 1                    # Envoy retries on connect failure / refused stream (one per pin entry)
     retry_budget_percent: float = 20.0      # Envoy's own retry budget on replica clusters (P5)
     envoy_concurrency: int = 2              # Envoy worker threads
-    envoy_log_level: str = "warning"
+    envoy_log_level: str = "warning"        # Envoy's --log-level (trace, debug, info, warning, error)
 
     def validate(self) -> None:
         _check_port(self.port, "gateway.port")
@@ -87,9 +87,9 @@ class SidecarConfig:
     """The ext_proc sidecar's side."""
 
     host: str = "127.0.0.1"            # gRPC listen address (Envoy connects here)
-    grpc_port: int = 50051
+    grpc_port: int = 50051             # ext_proc + access-log gRPC port (worker i listens on grpc_port + i)
     metrics_host: str = "127.0.0.1"    # /metrics (Prometheus) and /ready; loopback by default
-    metrics_port: int = 9100
+    metrics_port: int = 9100           # /metrics and /ready (worker i: metrics_port + i)
     admin_port: int = 50052            # admin gRPC API (proto/sluice/v1/admin.proto), loopback only
     failure_mode_allow: bool = False   # false: sidecar down -> 503 (fail closed); true: traffic flows unpinned
     message_timeout_ms: int = 1000     # Envoy waits this long for each sidecar answer (except held requests)
@@ -138,10 +138,10 @@ class LimitsConfig:
 class SimulatorConfig:
     """Simulated replicas that `sluice up` starts for every pool replica on loopback (demos, tests, benches)."""
 
-    enabled: bool = True
+    enabled: bool = True         # start simulated replicas for loopback replica addresses (`sluice up`)
     preset: str = "tiny-cpu"     # engine cost model (see docs/simulator.md)
     time_scale: float = 1.0      # >1 runs the engine faster than real time
-    seed: int = 0
+    seed: int = 0                # replica i uses seed + i: reproducible runs
     extra_args: list[str] = field(default_factory=list)  # passed to `sluice sim` as is
 
 
@@ -152,7 +152,7 @@ _ADDR = re.compile(r"^(?P<host>[^:\s]+):(?P<port>\d{1,5})$")
 class PoolConfig:
     """One model served by a set of OpenAI-compatible replicas."""
 
-    model: str = ""
+    model: str = ""                                      # the `model` value clients send for this pool
     replicas: list[str] = field(default_factory=list)  # "ip:port" of each replica (vLLM, SGLang, simulator)
     metrics_style: str = "vllm"  # vllm | sglang: the replicas' metric names; none: no /metrics (own accounting only)
 
@@ -226,9 +226,10 @@ class Policy:
             if pool.model in seen:
                 raise PolicyError(f"pools[{i}].model {pool.model!r} is listed twice")
             seen.add(pool.model)
-        ports = [("gateway.port", self.gateway.port), ("gateway.admin_port", self.gateway.admin_port),
-                 ("sidecar.grpc_port", self.sidecar.grpc_port), ("sidecar.metrics_port", self.sidecar.metrics_port),
-                 ("sidecar.admin_port", self.sidecar.admin_port)]
+        ports = [("gateway.port", self.gateway.port), ("gateway.admin_port", self.gateway.admin_port)]
+        for name in ("grpc_port", "metrics_port", "admin_port"):  # each worker uses base + its index
+            base = getattr(self.sidecar, name)
+            ports += [(f"sidecar.{name}" + (f"+{i}" if i else ""), base + i) for i in range(self.sidecar.workers)]
         by_port: dict[int, str] = {}
         for name, port in ports:
             if port in by_port:

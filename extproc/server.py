@@ -24,8 +24,12 @@ from extproc import metrics as m
 from extproc.accesslog import AccessLogReceiver
 from extproc import responses as R
 from extproc.config import Policy
+from pathlib import Path
+
+from extproc.admin.service import start_admin_server
 from extproc.admission.queue import Waiter
 from extproc.gateway import Gateway, Stream
+from extproc.reload import PolicyWatcher, note_policy
 from extproc.routing.scrape import Scraper
 
 log = logging.getLogger("sluice.server")
@@ -137,6 +141,13 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
         await scraper.start()
     await server.start()
     await site.start()
+    # Operations: the policy watcher (file change + SIGHUP) and the admin API, on loopback.
+    note_policy(policy)
+    watcher = PolicyWatcher(policy.source, gateway) if Path(policy.source).is_file() else None
+    if watcher is not None:
+        await watcher.start(sighup=True)
+    admin = await start_admin_server(gateway, "127.0.0.1", sc.admin_port + worker, policy.source,
+                                     on_reload=watcher.reload if watcher is not None else None)
     state["ready"] = True
     m.READY.set(1)
     m.OPEN_REQUESTS_CAP.set(gateway.open_cap)
@@ -155,6 +166,9 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     deadline = loop.time() + grace_s
     while loop.time() < deadline and any(p.inflight_requests for p in gateway.pools.values()):
         await asyncio.sleep(0.05)
+    if watcher is not None:
+        await watcher.stop()
+    await admin.stop(grace=0.5)
     await server.stop(grace=1.0)
     await runner.cleanup()
     if scraper is not None:

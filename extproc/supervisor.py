@@ -140,6 +140,7 @@ class Stack:
             for i in range(sc.workers):
                 ports.append((f"sidecar gRPC (sidecar.grpc_port+{i})", sc.host, sc.grpc_port + i))
                 ports.append((f"sidecar metrics (sidecar.metrics_port+{i})", sc.metrics_host, sc.metrics_port + i))
+                ports.append((f"sidecar admin (sidecar.admin_port+{i})", "127.0.0.1", sc.admin_port + i))
         for _model, addr in self.simulated_replicas():
             host, port = split_addr(addr)
             ports.append((f"simulated replica {addr}", host, port))
@@ -252,7 +253,7 @@ def with_free_ports(policy: Policy, replicas_per_pool: int | None = None) -> Pol
     sc = dataclasses.replace(policy.sidecar, grpc_port=ports[2], metrics_port=ports[3], admin_port=ports[4])
     # workers use consecutive ports: pick a base well away from the random ones
     if policy.sidecar.workers > 1:
-        base = _consecutive_free(2 * policy.sidecar.workers + 1)
+        base = _consecutive_free(3 * policy.sidecar.workers)
         sc = dataclasses.replace(sc, grpc_port=base, metrics_port=base + policy.sidecar.workers,
                                  admin_port=base + 2 * policy.sidecar.workers)
     rest = iter(ports[5:])

@@ -1,0 +1,276 @@
+"""Hot reload of the policy file: on SIGHUP, on a change of the file (mtime polled every second), or through the
+admin API (`sluice reload`).
+
+    read + validate (load_policy) ─► gateway.apply_policy (validates the sections it parses, then swaps)
+        ok    ─► sluice_policy_reloads_total{result="ok"}, last_reload_success = 1, optional xDS re-render
+        error ─► one log line naming the field, sluice_policy_reloads_total{result="error"},
+                 last_reload_success = 0; the old policy stays in force
+
+Settings read only at start (listen ports and hosts, worker count, Envoy's bootstrap: admin address, overload
+limit, concurrency, log level) are reported as "takes effect after a restart" instead of silently ignored.
+
+No extra dependency: a stat() per second is nothing next to the sidecar's scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from prometheus_client import Counter, Gauge
+
+from extproc.config import Policy, PolicyError, load_policy
+
+if TYPE_CHECKING:
+    from extproc.gateway import Gateway
+
+log = logging.getLogger("sluice.reload")
+
+RELOADS = Counter("sluice_policy_reloads_total",
+                  "Policy reload attempts (file change, SIGHUP, admin API), by result: ok (applied) or error "
+                  "(rejected; the previous policy stays in force).", ["result"])
+LAST_SUCCESS = Gauge("sluice_policy_last_reload_success",
+                     "1 when the last policy reload attempt was applied (or none was made since start), 0 when it "
+                     "was rejected and an older policy is in force.")
+LAST_RELOAD_TS = Gauge("sluice_policy_last_reload_timestamp_seconds",
+                       "Unix time of the last policy reload attempt (0: none since start).")
+MAX_DOWNSTREAM_CONNECTIONS = Gauge(
+    "sluice_policy_max_downstream_connections",
+    "gateway.max_downstream_connections of the policy in force: Envoy's overload-manager limit on client "
+    "connections (alerts compare envoy_http_downstream_cx_active with it).")
+_OK, _ERROR = RELOADS.labels("ok"), RELOADS.labels("error")
+
+TRIGGERS = ("admin", "sighup", "file_change")
+
+# Fields the running processes read only at start (the bootstrap is not watched by Envoy; ports are bound once).
+RESTART_FIELDS = {
+    "gateway": ("admin_host", "admin_port", "max_downstream_connections", "envoy_concurrency", "envoy_log_level"),
+    "sidecar": ("host", "grpc_port", "metrics_host", "metrics_port", "admin_port", "workers"),
+    "limits": ("max_body_bytes", "default_output_tokens", "tokenizer", "tokenizer_path", "bytes_per_token"),
+}
+
+# Raw sections the running gateway does not re-read on reload (Gateway.apply_policy keeps the start-up object).
+RESTART_RAW_SECTIONS = ("streaming",)
+
+
+@dataclass
+class ReloadResult:
+    ok: bool
+    changes: list[str] = field(default_factory=list)
+    error: str = ""
+    source: str = ""
+    at: float = 0.0          # unix time
+    trigger: str = "admin"   # admin | sighup | file_change
+
+
+_last: ReloadResult | None = None
+
+
+def last_result() -> ReloadResult | None:
+    """The last reload attempt of this process (None: none since start)."""
+    return _last
+
+
+def note_policy(policy: Policy) -> None:
+    """Export what the policy in force says that alerts need (called at start and after every applied reload)."""
+    MAX_DOWNSTREAM_CONNECTIONS.set(policy.gateway.max_downstream_connections)
+
+
+def restart_notes(old: Policy, new: Policy) -> list[str]:
+    """Changed settings that only a restart applies."""
+    notes = []
+    for section, names in RESTART_FIELDS.items():
+        a, b = getattr(old, section), getattr(new, section)
+        for name in names:
+            if getattr(a, name) != getattr(b, name):
+                notes.append(f"{section}.{name} changed ({getattr(a, name)!r} -> {getattr(b, name)!r}): "
+                             "takes effect after a restart")
+    for section in RESTART_RAW_SECTIONS:
+        if getattr(old, section, None) != getattr(new, section, None):
+            notes.append(f"{section}: changed; takes effect after a restart")
+    return notes
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def _start_budgets(budgets: Any) -> None:
+    """A reload that changes `budgets:` builds a new Budgets object; connect its store (Redis) like serve() does at
+    start. The old object stays open: requests admitted under it still settle through it."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no loop (a synchronous caller): the store connects lazily or on its first probe
+
+    async def start() -> None:
+        try:
+            await budgets.start()
+        except Exception:
+            log.exception("starting the reloaded budgets store failed; it falls back to local limits")
+
+    task = loop.create_task(start(), name="sluice-budgets-start")
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def _record(result: ReloadResult) -> ReloadResult:
+    global _last
+    _last = result
+    (_OK if result.ok else _ERROR).inc()
+    LAST_SUCCESS.set(1 if result.ok else 0)
+    LAST_RELOAD_TS.set(result.at)
+    return result
+
+
+def reload_policy(path: str | os.PathLike[str], gateway: Gateway, trigger: str = "admin",
+                  xds_out: str | os.PathLike[str] | None = None, xds_dir: str | os.PathLike[str] | None = None,
+                  mode: str = "sluice") -> ReloadResult:
+    """Read, validate and apply the policy file; never raises for a bad policy. With `xds_out`, Envoy's files are
+    re-rendered there after the sidecar applied the policy (Envoy watches that directory)."""
+    at = time.time()
+    src = str(path)
+    old = gateway.policy
+    budgets_before = getattr(gateway, "budgets", None)
+    try:
+        policy = load_policy(path)
+        changes = gateway.apply_policy(policy)
+    except (PolicyError, ValueError, TypeError) as exc:
+        msg = str(exc) if isinstance(exc, PolicyError) else f"{src}: {exc}"
+        log.error("policy reload (%s) rejected, the previous policy stays in force: %s", trigger, msg)
+        return _record(ReloadResult(False, [], msg, src, at, trigger))
+    except Exception as exc:  # a bug in a section parser must not kill the watcher
+        log.exception("policy reload (%s) failed, the previous policy stays in force", trigger)
+        return _record(ReloadResult(False, [], f"{src}: {type(exc).__name__}: {exc}", src, at, trigger))
+    changes = [c for c in changes if c != "no change"] + restart_notes(old, policy)
+    budgets_after = getattr(gateway, "budgets", None)
+    if budgets_after is not budgets_before and hasattr(budgets_after, "start"):
+        _start_budgets(budgets_after)
+    if xds_out is not None:
+        try:
+            from extproc.xds import render
+
+            render(policy, xds_out, mode, xds_dir=xds_dir)
+            changes.append(f"envoy xDS re-rendered into {xds_out}")
+        except Exception as exc:  # the sidecar side is applied; say loudly that Envoy's is not
+            log.exception("policy applied to the sidecar, but re-rendering Envoy's xDS into %s failed", xds_out)
+            changes.append(f"envoy xDS NOT re-rendered: {type(exc).__name__}: {exc}")
+    note_policy(policy)
+    if not changes:
+        changes = ["no change"]
+    log.info("policy reload (%s) applied from %s: %s", trigger, src, "; ".join(changes))
+    return _record(ReloadResult(True, changes, "", src, at, trigger))
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+class PolicyWatcher:
+    """Reloads the gateway's policy on SIGHUP and when the file changes (content, not just mtime).
+
+    `on_change(result)` is called after every attempt (ok or not). With `xds_out`, Envoy's bootstrap/LDS/CDS are
+    re-rendered there (point it at the directory Envoy watches; `xds_dir` is where Envoy reads them, as for
+    `sluice render --xds-dir`)."""
+
+    def __init__(self, path: str | os.PathLike[str], gateway: Gateway,
+                 on_change: Callable[[ReloadResult], Any] | None = None, interval_s: float = 1.0,
+                 xds_out: str | os.PathLike[str] | None = None, xds_dir: str | os.PathLike[str] | None = None,
+                 mode: str = "sluice", settle_s: float = 0.1) -> None:
+        self.path = Path(path)
+        self.gateway = gateway
+        self.on_change = on_change
+        self.interval_s = interval_s
+        self.settle_s = settle_s
+        self.xds_out, self.xds_dir, self.mode = xds_out, xds_dir, mode
+        self._stamp = _stamp(self.path)
+        self._digest = _digest(self.path)
+        self._task: asyncio.Task[None] | None = None
+        self._sighup = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        LAST_SUCCESS.set(1)  # the policy the gateway started with is valid and in force
+        note_policy(gateway.policy)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    async def start(self, sighup: bool = True) -> None:
+        """Start polling; with `sighup`, also reload on SIGHUP (main thread of the process only)."""
+        self._loop = asyncio.get_running_loop()
+        if sighup:
+            try:
+                self._loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+                self._sighup = True
+            except (NotImplementedError, RuntimeError, ValueError) as exc:
+                log.warning("SIGHUP reload unavailable here (%s); file changes and `sluice reload` still work", exc)
+        if self._task is None:
+            self._task = asyncio.create_task(self._poll(), name="sluice-policy-watcher")
+        log.info("watching %s for changes (every %gs%s)", self.path, self.interval_s,
+                 ", and SIGHUP" if self._sighup else "")
+
+    async def stop(self) -> None:
+        if self._sighup and self._loop is not None:
+            self._loop.remove_signal_handler(signal.SIGHUP)
+            self._sighup = False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- reloading --------------------------------------------------------------------------------------
+    def reload(self, trigger: str = "admin") -> ReloadResult:
+        """Reload now (admin API hook: `AdminServicer(..., on_reload=watcher.reload)`)."""
+        self._stamp = _stamp(self.path)
+        self._digest = _digest(self.path)
+        result = reload_policy(self.path, self.gateway, trigger, self.xds_out, self.xds_dir, self.mode)
+        if self.on_change is not None:
+            try:
+                self.on_change(result)
+            except Exception:
+                log.exception("policy watcher on_change callback failed")
+        return result
+
+    def _on_sighup(self) -> None:
+        log.info("SIGHUP: reloading %s", self.path)
+        self.reload("sighup")
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            stamp = _stamp(self.path)
+            if stamp == self._stamp or stamp is None:
+                continue  # unchanged, or gone for a moment (an editor's rename): keep the policy in force
+            # Let a writer finish: wait until the file stops changing (bounded).
+            for _ in range(20):
+                await asyncio.sleep(self.settle_s)
+                again = _stamp(self.path)
+                if again == stamp:
+                    break
+                stamp = again
+            digest = _digest(self.path)
+            if digest is not None and digest == self._digest:
+                self._stamp = stamp  # touched, same content: nothing to do
+                continue
+            self.reload("file_change")
+
+
+__all__ = ["PolicyWatcher", "ReloadResult", "reload_policy", "last_result", "note_policy", "restart_notes",
+           "RELOADS", "LAST_SUCCESS", "LAST_RELOAD_TS", "MAX_DOWNSTREAM_CONNECTIONS"]
