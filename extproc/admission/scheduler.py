@@ -46,6 +46,7 @@ class Placement:
     lane: int
     epoch: int = -1  # the replica's scrape epoch when placed
     owner: "Scheduler | None" = None  # who to release to (survives a policy reload that replaces schedulers)
+    at: float = 0.0  # dispatch time (service-time estimate for the drain rate)
 
 
 class DrainRate:
@@ -84,7 +85,8 @@ class Scheduler:
         self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights) for _ in range(n)]
         self.lane_requests = [0] * n
         self.lane_tokens = [0] * n
-        self.drain = [DrainRate() for _ in range(n)]
+        self.drain = [DrainRate() for _ in range(n)]  # releases per second, per lane
+        self.service_s = [0.0] * n  # EWMA of dispatch-to-release time, per lane
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
         self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
@@ -141,20 +143,32 @@ class Scheduler:
         return waiter
 
     def _wait_budget(self, req: LLMRequest, now: float) -> float:
+        """How long this request may wait here: the policy's max wait, and never so long that the client's own
+        deadline passes before it could get its first token (stream) or its whole answer (non-stream). Work
+        dispatched just before the client gives up is ghost load (P4)."""
         budget = self.policy.max_wait_s
         if req.client_timeout_s is not None:
-            service = (req.prompt_tokens / self.placer.rate
-                       + req.max_output_tokens * self.policy.decode_s_per_token * (1.0 if req.stream else 1.0))
-            left = req.client_timeout_s - (now - req.arrival) - (0.0 if req.stream else service)
-            budget = min(budget, left)
+            service = req.prompt_tokens / self.placer.rate
+            if not req.stream:
+                service += req.max_output_tokens * self.policy.decode_s_per_token
+            left = req.client_timeout_s - (now - req.arrival)
+            budget = min(budget, 0.9 * left - service)
         return budget
 
+    def drain_rate(self, lane: int, now: float) -> float:
+        """How fast the lane's queue drains: the recent release rate, or, when more is in flight than that rate
+        explains (a burst just filled the replicas), requests in flight / mean service time."""
+        rate = self.drain[lane].current(now)
+        if self.service_s[lane] > 0 and self.lane_requests[lane]:
+            rate = max(rate, self.lane_requests[lane] / self.service_s[lane])
+        return rate
+
     def _expected_wait(self, lane: int, now: float) -> float | None:
-        """Queue ahead / recent dispatch rate of the lane; None when there is no queue or no recent rate."""
+        """Queue ahead / drain rate of the lane; None when there is no queue or no rate known yet."""
         ahead = len(self.queues[lane])
         if not ahead:
             return None
-        rate = self.drain[lane].current(now)
+        rate = self.drain_rate(lane, now)
         if rate <= 0:
             return None
         return (ahead + 1) / rate
@@ -178,8 +192,7 @@ class Scheduler:
         self.placer.commit(primary, req, lane, now)
         self.lane_requests[lane] += 1
         self.lane_tokens[lane] += req.total_tokens
-        self.drain[lane].tick(now)
-        return Placement(primary, pins, lane, primary.scrape_epoch, self)
+        return Placement(primary, pins, lane, primary.scrape_epoch, self, now)
 
     # ---- dispatch from the queues ---------------------------------------------------------------------
     def kick(self, now: float | None = None) -> int:
@@ -240,7 +253,7 @@ class Scheduler:
 
     def retry_after(self, lane: int, now: float) -> float:
         """How long until the queue ahead would drain at the recent dispatch rate (0.2 s .. 60 s)."""
-        rate = self.drain[lane].current(now)
+        rate = self.drain_rate(lane, now)
         ahead = len(self.queues[lane]) + 1
         if rate <= 0:
             return 1.0
@@ -249,6 +262,12 @@ class Scheduler:
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
         self.placer.release(placement.replica, req, placement.lane, placement.epoch)
+        now = time.monotonic()
+        lane = placement.lane
+        self.drain[lane].tick(now)
+        if placement.at:
+            took = now - placement.at
+            self.service_s[lane] = took if not self.service_s[lane] else 0.9 * self.service_s[lane] + 0.1 * took
         self.lane_requests[placement.lane] -= 1
         self.lane_tokens[placement.lane] -= req.total_tokens
         self.m.released(placement.lane)

@@ -10,6 +10,8 @@ A replica fits a request when, with the request added, it stays within every lim
   fresh   its metrics are recent (stale metrics count as saturated)
 Among fitting replicas the lowest score wins:
   score = predicted TTFT / TTFT target + kv_weight x KV fraction after placing + waiting_weight x engine waiting
+          + 1 for each larger lane with a request in flight there (short requests avoid long prefills, P3)
+          + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
 """
 
@@ -21,6 +23,9 @@ from typing import Callable
 from extproc.admission.policy import AdmissionPolicy
 from extproc.request import LLMRequest
 from extproc.routing.pool import EJECTED, Pool, Replica
+
+LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
+WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
 NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE = (
@@ -95,9 +100,17 @@ class Placer:
             return len(self.pool.replicas)
         return max(1, int(share * len(self.pool.replicas)))
 
-    def score(self, r: Replica, req: LLMRequest, now: float) -> float:
+    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0) -> float:
         pol = self.policy
         s = self.predicted_ttft_s(r, req.prompt_tokens, now) / pol.ttft_target_s
+        # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
+        # backlog estimate may understate) is the last choice for smaller requests.
+        for bigger in range(lane + 1, len(r.lane_inflight)):
+            if r.lane_inflight[bigger]:
+                s += LANE_PENALTY
+        if r.weight < 1.0:
+            # P8: a degraded or recovering replica takes work only when the healthy ones are fuller.
+            s += WEIGHT_PENALTY * (1.0 - r.weight)
         cap = r.kv_capacity_tokens
         if cap:
             s += pol.score_kv_weight * (r.kv_used_tokens() + req.total_tokens) / cap
@@ -117,7 +130,7 @@ class Placer:
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
-            s = self.score(r, req, now)
+            s = self.score(r, req, now, lane)
             if r is affinity:
                 s /= 1 + self.policy.affinity_slack
             if best is None or s < best_s:

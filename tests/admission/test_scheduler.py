@@ -174,9 +174,10 @@ async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
     s = make(n_replicas=1, max_concurrency_per_replica=1, max_wait_s=2.0)
     first = s.submit(req(), 0.0)
     assert isinstance(first, Placement)
-    # establish a drain rate of about 2 dispatches/s
+    # establish a drain rate of about 2 releases/s
     for t in (0.5, 1.0, 1.5, 2.0):
         s.drain[0].tick(t)
+    s.service_s[0] = 0.5  # one in flight / 0.5 s = 2/s as well
     queued = [s.submit(req(), 2.0) for _ in range(3)]
     assert all(isinstance(w, Waiter) for w in queued)
     with pytest.raises(Shed) as exc:
