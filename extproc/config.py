@@ -90,7 +90,7 @@ class SidecarConfig:
     grpc_port: int = 50051             # ext_proc + access-log gRPC port (worker i listens on grpc_port + i)
     metrics_host: str = "127.0.0.1"    # /metrics (Prometheus) and /ready; loopback by default
     metrics_port: int = 9100           # /metrics and /ready (worker i: metrics_port + i)
-    admin_port: int = 50052            # admin gRPC API (proto/sluice/v1/admin.proto), loopback only
+    admin_port: int = 50061            # admin gRPC API (proto/sluice/v1/admin.proto), loopback only (worker i: +i)
     failure_mode_allow: bool = False   # false: sidecar down -> 503 (fail closed); true: traffic flows unpinned
     message_timeout_ms: int = 1000     # Envoy waits this long for each sidecar answer (except held requests)
     max_queue_wait_ms: int = 30000     # longest a request may be held in the sidecar's queue

@@ -326,11 +326,22 @@ class Gateway:
             self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome)
 
     def capacity_tokens_per_s(self, model: str) -> float:
-        """A pool's token throughput (prompt prefill rate x replicas), for P10's capacity-at-cost report."""
+        """A pool's token throughput, for P10's capacity-at-cost report: per routable replica the highest token
+        rate (prompt + generation) its engine showed while busy, else the policy's prefill rate."""
         pool = self.pools.get(model)
         if pool is None:
             return 0.0
-        return self.admission.prefill_tokens_per_s * sum(1 for r in pool.replicas if r.routable)
+        total = 0.0
+        for r in pool.replicas:
+            if not r.routable:
+                continue
+            e = r.engine
+            busy = e.running + e.waiting > 0
+            seen = e.prompt_tps + e.generation_tps
+            if busy and seen > r.peak_tps:
+                r.peak_tps = seen
+            total += r.peak_tps or self.admission.prefill_tokens_per_s
+        return total
 
     def kick_all(self) -> None:
         """Capacity may have changed (scrape, health): dispatch what now fits."""

@@ -17,7 +17,7 @@ from extproc.admin import admin_pb2 as pb
 from extproc.admin import admin_pb2_grpc as pb_grpc
 from extproc.config import Policy
 
-DEFAULT_ADMIN = "127.0.0.1:50052"
+DEFAULT_ADMIN = "127.0.0.1:50061"
 
 
 class AdminError(RuntimeError):

@@ -267,7 +267,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         return result_to_pb(result)  # type: ignore[arg-type]
 
 
-async def start_admin_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 50052,
+async def start_admin_server(gateway: Gateway, host: str = "127.0.0.1", port: int = 50061,
                              policy_path: str | os.PathLike[str] | None = None,
                              on_reload: ReloadHook | None = None) -> grpc.aio.Server:
     """Start the admin gRPC server (loopback by default: drain and reload must not be reachable by clients).

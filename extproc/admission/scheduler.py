@@ -27,6 +27,11 @@ from extproc.routing.placement import Placer
 from extproc.routing.pool import Pool, Replica
 
 
+# Queue only what is expected to start well within its wait budget: the drain-rate estimate is noisy, and a
+# request shed on arrival (milliseconds) is better for the client than one shed after a futile wait (P1).
+WAIT_SAFETY = 1.4
+
+
 class Shed(Exception):
     """Reply now instead of queueing or forwarding."""
 
@@ -117,7 +122,7 @@ class Scheduler:
                 self.m.admitted(lane, queued=False)
                 return placed
         expected = self._expected_wait(lane, now)
-        if expected is not None and expected > wait_budget:
+        if expected is not None and expected * WAIT_SAFETY > wait_budget:
             # Waiting cannot help: say so now (P1: shed early, in milliseconds, not after a futile wait).
             self.m.shed(lane, "wait_exceeds_deadline")
             too_long = req.client_timeout_s is not None and expected > req.client_timeout_s
@@ -156,11 +161,12 @@ class Scheduler:
         return budget
 
     def drain_rate(self, lane: int, now: float) -> float:
-        """How fast the lane's queue drains: the recent release rate, or, when more is in flight than that rate
-        explains (a burst just filled the replicas), requests in flight / mean service time."""
+        """How fast the lane's queue drains: the measured release rate over the last seconds (extrapolating from
+        requests in flight / service time promised waits that did not happen under a burst, measured in P1);
+        before any release is seen, requests in flight / mean service time."""
         rate = self.drain[lane].current(now)
-        if self.service_s[lane] > 0 and self.lane_requests[lane]:
-            rate = max(rate, self.lane_requests[lane] / self.service_s[lane])
+        if rate <= 0 and self.service_s[lane] > 0 and self.lane_requests[lane]:
+            rate = self.lane_requests[lane] / self.service_s[lane]
         return rate
 
     def _expected_wait(self, lane: int, now: float) -> float | None:

@@ -40,6 +40,9 @@ PROMPT_BASELINE = Gauge("sluice_prompt_cost_baseline_tokens_per_request",
                         "Baseline tokens per completed request the shift detector compares against, per app.", ["app"])
 PROMPT_SHIFT_EVENTS = Counter("sluice_prompt_shift_events_total", "Sustained prompt cost shifts detected, per app.",
                               ["app"])
+PROMPT_CAPACITY = Gauge("sluice_prompt_capacity_requests_per_second",
+                        "The pool's capacity for this app at its recent cost per request: pool token throughput / "
+                        "tokens per request (P10: what a prompt change costs).", ["app"])
 PROMPT_SHIFT_RATIO = Gauge("sluice_prompt_shift_ratio", "Recent cost per request over the baseline, per app.", ["app"])
 
 

@@ -51,13 +51,16 @@ class _Fingerprint:
         self.last_seen = 0.0
 
 
+CAPACITY_EVERY = 4  # refresh the capacity gauge every N requests per app (it sums over replicas)
+
+
 class _App:
     __slots__ = ("name", "model", "requests", "warm_n", "warm_prompt", "warm_completion",
                  "baseline", "base_prompt", "base_completion", "base_med", "warm_med", "warm_med_n",
                  "completion_mean", "completion_known",
                  "ring_p", "ring_c", "ring_f", "pos", "filled", "sum_p", "sum_c", "over", "run_fps", "stable_fp",
                  "fps", "events", "last_event", "ratio",
-                 "g_total", "g_prompt", "g_completion", "g_base", "g_ratio", "c_events")
+                 "g_total", "g_prompt", "g_completion", "g_base", "g_ratio", "c_events", "g_capacity")
 
     def __init__(self, name: str, k: int) -> None:
         self.name = name
@@ -89,6 +92,7 @@ class _App:
         self.last_event: dict[str, Any] | None = None
         self.ratio = 1.0
         self.g_total = metrics.PROMPT_COST.labels(name, "total")
+        self.g_capacity = metrics.PROMPT_CAPACITY.labels(name)
         self.g_prompt = metrics.PROMPT_COST.labels(name, "prompt")
         self.g_completion = metrics.PROMPT_COST.labels(name, "completion")
         self.g_base = metrics.PROMPT_BASELINE.labels(name)
@@ -159,6 +163,10 @@ class PromptShiftTracker:
         n = st.filled
         mean = (st.sum_p + st.sum_c) / n
         st.g_total.set(mean)
+        if st.requests % CAPACITY_EVERY == 0:
+            capacity = self._capacity(model, mean)
+            if capacity is not None:
+                st.g_capacity.set(capacity)
         st.g_prompt.set(st.sum_p / n)
         st.g_completion.set(st.sum_c / n)
         costs = sorted([st.ring_p[j] + st.ring_c[j] for j in range(n)])
@@ -215,6 +223,7 @@ class PromptShiftTracker:
         f.last_seen = time.time() if now is None else now
 
     def _capacity(self, model: str, cost: float) -> float | None:
+        """Requests/s the pool sustains at `cost` tokens per request."""
         fn = self.capacity_tokens_per_s
         if fn is None or cost <= 0:
             return None

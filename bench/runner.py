@@ -1,0 +1,510 @@
+"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-lr] [--quick] [--json FILE]`
+
+Runs the P1..P13 scenarios (`all` = every one) against each system in turn. For each (scenario, system) it
+starts the same simulated replica pool fresh (same preset, same seeds) with that system in front
+(`extproc.supervisor.Stack`), replays the scenario's open-loop workload (`bench/openloop.py`), polls every
+replica's /sim/state every 250 ms (running, waiting, KV usage, preemptions, ghost tokens), samples Envoy and
+sidecar memory and the sidecar metrics the scenario asks for, injects the scenario's faults, then stops the
+stack (by PID, in order) and computes the scenario's metrics.
+
+Outputs:
+  --json FILE                 {"P3": {"sluice": {metric: value|null}, "envoy-rr": {...}, ...}, ..., "_meta": {...}}
+  bench/results/PN.md         one table per scenario (systems as columns)
+  bench/results/PN-SYSTEM.png TTFT over time, KV usage and queues per replica (matplotlib, Agg)
+  docs/benchmarks-scenarios.md  every table, the method, and the reproduced flags
+A line per scenario says whether envoy-rr reproduced the problem (a scenario that does not is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.openloop import raise_nofile, run_open_loop
+from bench.procstat import rss_bytes
+from bench.scenarios import SCENARIOS, get_scenarios
+from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals
+from extproc.config import policy_from_dict
+from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
+
+SYSTEMS = ("sluice", "envoy-rr", "envoy-lr")
+POLL_S = 0.25
+RESULTS = Path("bench/results")
+SUMMARY = Path("docs/benchmarks-scenarios.md")
+
+
+# ---- stack ------------------------------------------------------------------------------------------------------
+def policy_dict(sc: Scenario, system: str, seed: int, with_sluice_sections: bool = True) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "pools": [{"model": MODEL, "replicas": [f"127.0.0.1:{i + 1}" for i in range(sc.replicas)]}],
+        "simulator": {"enabled": True, "preset": sc.preset, "time_scale": float(sc.time_scale), "seed": seed,
+                      "extra_args": list(sc.sim_args)},
+        "gateway": {"envoy_log_level": "error", **sc.gateway},
+        "sidecar": dict(sc.sidecar),
+        "limits": dict(sc.limits),
+    }
+    if system == "sluice" and with_sluice_sections:
+        for key, value in sc.sluice_policy.items():
+            data[key] = value
+    return data
+
+
+def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_sections: bool = True,
+               redis_url: str | None = None) -> Stack:
+    data = policy_dict(sc, system, seed, with_sluice_sections)
+    if redis_url and system == "sluice":
+        budgets = data.setdefault("budgets", {})
+        budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
+    policy = with_free_ports(policy_from_dict(data))
+    return Stack(policy, run_dir=run_dir, mode=system)
+
+
+def start_redis(run_dir: Path) -> tuple[Child, str]:
+    """A private redis-server on a free loopback port, for scenarios whose sidecars share budgets."""
+    import socket
+    import time
+
+    (port,) = free_ports(1)
+    child = Child("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no"], run_dir / "logs" / "redis.log", "")
+    child.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return child, f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    child.stop()
+    raise StartupError("redis-server did not start:\n" + child.log_tail())
+
+
+def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[Stack, list[str]]:
+    """Start the stack; if the sidecar refuses the scenario's policy sections (capability parsers are stricter
+    than this harness), start it once more without them and say so. Returns (stack, notes)."""
+    notes: list[str] = []
+    redis = redis_url = None
+    if getattr(sc, "redis", False) and system == "sluice":
+        redis, redis_url = start_redis(run_dir)
+    stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url)
+    try:
+        stack.start()
+        if redis is not None:
+            stack.children.append(redis)  # stopped with the stack
+        return stack, notes
+    except StartupError as exc:
+        if redis is not None:
+            redis.stop()
+        if system != "sluice" or not sc.sluice_policy:
+            raise
+        first = str(exc).splitlines()[-1][:300] if str(exc) else "startup error"
+        notes.append(f"sidecar refused the scenario's policy sections ({first}); ran without them")
+    stack = make_stack(sc, system, run_dir / "retry", seed, with_sluice_sections=False)
+    stack.start()
+    return stack, notes
+
+
+def _pids(stack: Stack) -> list[int]:
+    out = []
+    for c in stack.children:
+        if (c.name == "envoy" or c.name.startswith("sidecar")) and c.proc is not None:
+            out.append(c.proc.pid)
+    return out
+
+
+def parse_prom(text: str, wanted: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over label sets}; only names in `wanted` when given."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for i, ch in enumerate(line):
+            if ch in "{ ":
+                name_end = i
+                break
+        name = line[:name_end]
+        if wanted is not None and name not in wanted:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def parse_prom_labels(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """All samples of one metric with their labels (small parser: label values without escaped quotes)."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name):]
+        labels: dict[str, str] = {}
+        if rest.startswith("{"):
+            close = rest.find("}")
+            for part in rest[1:close].split(","):
+                if "=" in part:
+                    k, v = part.split("=", 1)
+                    labels[k.strip()] = v.strip().strip('"')
+            rest = rest[close + 1:]
+        elif not rest.startswith(" "):
+            continue
+        try:
+            out.append((labels, float(rest.strip().split(" ")[0])))
+        except ValueError:
+            continue
+    return out
+
+
+# ---- one run ----------------------------------------------------------------------------------------------------
+class Control:
+    """What `Scenario.during` may use while the load runs."""
+
+    def __init__(self, stack: Stack, run: RunData, session: aiohttp.ClientSession, t0: list[float]) -> None:
+        self.stack = stack
+        self.run = run
+        self.session = session
+        self._t0 = t0
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0[0] if self._t0 else 0.0
+
+    async def fault(self, replica: int, fault: str, value: Any = None) -> dict[str, Any]:
+        addr = self.run.replicas[replica]
+        url = self.stack.sim_admin_url(addr) + "/sim/fault"
+        payload: dict[str, Any] = {"fault": fault}
+        if value is not None:
+            payload["value"] = value
+        t = self.now()
+        try:
+            async with self.session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                ok = resp.status == 200
+                await resp.read()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            ok = False
+            print(f"    fault {fault} on {addr} failed: {exc}", file=sys.stderr)
+        self.run.events.append({"t": t, "replica": addr, "fault": fault, "value": value, "ok": ok})
+        return {"ok": ok}
+
+    async def sidecar_text(self) -> str | None:
+        if self.stack.mode != "sluice":
+            return None
+        try:
+            async with self.session.get(self.stack.metrics_url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return None
+
+
+async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.ClientSession, t0: list[float],
+                stop: asyncio.Event) -> None:
+    """Replica state every POLL_S; sidecar metrics and gateway RSS when the scenario asks."""
+    urls = {addr: stack.sim_admin_url(addr) + "/sim/state" for addr in run.replicas}
+    pids = _pids(stack)
+    rnd = 0
+    timeout = aiohttp.ClientTimeout(total=1.0)
+
+    async def one(addr: str, url: str, t: float, k: int) -> None:
+        try:
+            async with session.get(url, timeout=timeout) as resp:
+                st = await resp.json()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return
+        c = st.get("counters") or {}
+        run.samples.setdefault(addr, []).append({
+            "t": t, "round": k, "running": st.get("running"), "waiting": st.get("waiting"),
+            "kv": st.get("kv_usage"), "preemptions": c.get("preemptions"), "ghost": c.get("ghost_tokens"),
+            "gen": c.get("generation_tokens"), "prompt": c.get("prompt_tokens"),
+            "crashed": (st.get("faults") or {}).get("crashed"), "slow": (st.get("faults") or {}).get("slow"),
+            "finished": sum((c.get("finished") or {}).values()),
+            "aborted": (c.get("finished") or {}).get("abort", 0)})
+        run.sim_final[addr] = st
+
+    while not stop.is_set():
+        t = time.monotonic() - t0[0] if t0 else 0.0
+        jobs = [one(a, u, t, rnd) for a, u in urls.items()]
+        if sc.poll_sidecar and stack.mode == "sluice" and rnd % 2 == 0:
+            jobs.append(_poll_prom(stack.metrics_url, run.sidecar, sc.poll_sidecar, session, t))
+        if sc.poll_envoy and rnd % 2 == 0:
+            jobs.append(_poll_prom(stack.admin_url + "/stats/prometheus", run.envoy, sc.poll_envoy, session, t))
+        await asyncio.gather(*jobs)
+        if sc.rss_poll:
+            try:
+                run.gateway_rss.append((t, sum(rss_bytes(p) for p in pids)))
+            except OSError:
+                pass
+        rnd += 1
+        try:
+            await asyncio.wait_for(stop.wait(), POLL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _poll_prom(url: str, out: list, names: tuple[str, ...], session: aiohttp.ClientSession,
+                     t: float) -> None:
+    """Scrape a Prometheus endpoint (every other poll round: 500 ms) and keep the samples of `names`."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+            text = await resp.text()
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return
+    out.append((t, {name: parse_prom_labels(text, name) for name in names}))
+
+
+async def _faults(ctl: Control, wl: Workload, ts: float) -> None:
+    for f in sorted(wl.faults, key=lambda f: f.at):
+        delay = f.at / ts - ctl.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await ctl.fault(f.replica, f.fault, f.value)
+
+
+async def _settle(stack: Stack, run: RunData, session: aiohttp.ClientSession, limit_s: float) -> None:
+    """After the load: wait (bounded) until no replica runs or queues anything, so end counters are complete."""
+    deadline = time.monotonic() + limit_s
+    timeout = aiohttp.ClientTimeout(total=1)
+    while time.monotonic() < deadline:
+        busy = 0
+        for addr in run.replicas:
+            try:
+                async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
+                    st = await resp.json()
+                busy += int(st.get("running", 0)) + int(st.get("waiting", 0))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                pass
+        if busy == 0:
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> None:
+    timeout = aiohttp.ClientTimeout(total=3)
+    for addr in run.replicas:
+        try:
+            async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
+                run.sim_final[addr] = await resp.json()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            pass
+    try:
+        async with session.get(stack.admin_url + "/stats/prometheus", timeout=timeout) as resp:
+            text = await resp.text()
+        run.envoy_stats = parse_prom(text)
+        run.extra["envoy_prom_text"] = text
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        pass
+    if stack.mode == "sluice":
+        try:
+            async with session.get(stack.metrics_url, timeout=timeout) as resp:
+                text = await resp.text()
+            run.sidecar_final = parse_prom(text)
+            run.extra["sidecar_prom_text"] = text
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+
+
+async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int) -> None:
+    ts = float(sc.time_scale)
+    arrivals = scale_arrivals(wl.arrivals, ts)
+    deadline = (wl.duration + wl.drain) / ts
+    run.duration = wl.duration / ts
+    run.extra["deadline"] = deadline
+    url = stack.base_url + "/v1/chat/completions"
+    t0: list[float] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as side:
+        ctl = Control(stack, run, side, t0)
+        started = asyncio.Event()
+
+        def on_start(t: float) -> None:
+            t0.append(t)
+            started.set()
+
+        load = asyncio.create_task(run_open_loop(url, arrivals, deadline, seed=seed, on_start=on_start,
+                                                 max_arrivals=20000, rcvbuf=sc.client_rcvbuf))
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if not started.is_set():
+            waiter.cancel()
+            await load  # raises the generator's error (a bad workload), never hangs here
+        poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop))
+        helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
+                   asyncio.create_task(sc.during(ctl, run, quick))]
+        try:
+            records, _ = await load
+            run.records = records
+        finally:
+            for h in helpers:
+                if not h.done():
+                    h.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            if sc.settle_s > 0:
+                await _settle(stack, run, side, sc.settle_s)
+            stop.set()
+            await poller
+        await _final(stack, run, side)
+
+
+def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) -> tuple[RunData | None, dict]:
+    """Start the system, replay, stop. Returns (run data or None, info for _meta)."""
+    info: dict[str, Any] = {"system": system, "notes": []}
+    t_start = time.monotonic()
+    wl = sc.workload(quick)
+    run_dir = workdir / f"{sc.id}-{system}"
+    try:
+        stack, notes = start_stack(sc, system, run_dir, seed)
+    except Exception as exc:  # noqa: BLE001 - report and continue with the next system
+        info["error"] = f"start failed: {exc}"[:2000]
+        return None, info
+    info["notes"] += notes
+    info["start_s"] = round(time.monotonic() - t_start, 2)
+    run = RunData(scenario=sc.id, system=system, time_scale=float(sc.time_scale),
+                  replicas=list(stack.policy.pools[0].replicas))
+    run.extra["quick"] = quick
+    try:
+        asyncio.run(drive(sc, stack, wl, run, quick, seed))
+    except Exception as exc:  # noqa: BLE001
+        info["error"] = f"run failed: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        return None, info
+    finally:
+        stack.stop()
+    run.wall_s = time.monotonic() - t_start
+    info["wall_s"] = round(run.wall_s, 1)
+    info["requests"] = len({r.user for r in run.records})
+    info["attempts"] = len(run.records)
+    return run, info
+
+
+# ---- all runs ---------------------------------------------------------------------------------------------------
+def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
+                  plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
+                  verbose: bool = True, command: str = "") -> dict[str, Any]:
+    from bench import report
+
+    scenarios = [n for n in names if isinstance(n, Scenario)]
+    scenarios += get_scenarios([n for n in names if isinstance(n, str)]) if any(isinstance(n, str) for n in names) \
+        else []
+    need_nofile = max([s.nofile for s in scenarios] + [4096])
+    raise_nofile(need_nofile)
+    out: dict[str, Any] = {}
+    meta: dict[str, Any] = {"command": command or f"run_scenarios({names}, quick={quick})",
+                            "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                            "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
+                            "systems": systems, "time_scale": {}, "errors": {}}
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    t_all = time.monotonic()
+    try:
+        for sc in scenarios:
+            out[sc.id] = {}
+            runs: dict[str, RunData] = {}
+            meta["time_scale"][sc.id] = sc.time_scale
+            for system in systems:
+                if verbose:
+                    print(f"[{sc.id}] {system} ...", flush=True)
+                run, info = run_one(sc, system, quick, seed, workdir)
+                meta["runs"].setdefault(sc.id, {})[system] = info
+                if run is None:
+                    out[sc.id][system] = {m.key: None for m in sc.metrics_doc}
+                    meta["errors"].setdefault(sc.id, {})[system] = info.get("error")
+                    print(f"[{sc.id}] {system}: ERROR {info.get('error')}", flush=True)
+                    continue
+                try:
+                    metrics = sc.metrics(run)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    metrics = {m.key: None for m in sc.metrics_doc}
+                    meta["errors"].setdefault(sc.id, {})[system] = f"metrics failed: {exc}"
+                out[sc.id][system] = metrics
+                runs[system] = run
+                if verbose:
+                    short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+                    print(f"[{sc.id}] {system}: {short}  ({info.get('wall_s')} s wall)", flush=True)
+                if plots:
+                    try:
+                        from bench import plots as plotmod
+
+                        plotmod.plot_run(sc, run, results_dir / f"{sc.id}-{system}.png")
+                    except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
+                        print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
+            rr = out[sc.id].get("envoy-rr")
+            if "envoy-rr" in systems and rr is not None and runs.get("envoy-rr") is not None:
+                ok, why = sc.reproduced(rr)
+            else:
+                ok, why = None, "envoy-rr not run"
+            meta["reproduced"][sc.id] = ok
+            meta["why"][sc.id] = why
+            print(f"{sc.id} reproduced on envoy-rr: {'yes' if ok else ('not run' if ok is None else 'no')}"
+                  f" ({why})", flush=True)
+            report.write_scenario(sc, out[sc.id], meta, results_dir)
+    finally:
+        if not keep_runs:
+            shutil.rmtree(workdir, ignore_errors=True)
+    meta["wall_s"] = round(time.monotonic() - t_all, 1)
+    out["_meta"] = meta
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sluice bench run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="+", help="P1..P13 or all (case-insensitive)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ",".join(SYSTEMS))
+    parser.add_argument("--quick", action="store_true", help="shorter workloads (about 20 s per system-run)")
+    parser.add_argument("--json", help="write {scenario: {system: {metric: value}}} here")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--results-dir", default=str(RESULTS), help="per-scenario tables and plots")
+    parser.add_argument("--summary", default=str(SUMMARY), help="markdown summary of every table ('' = none)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        parser.error(f"unknown system(s) {', '.join(bad)}; known: {', '.join(SYSTEMS)}")
+    try:
+        names = [s.id for s in get_scenarios(args.scenarios)]
+    except KeyError as exc:
+        parser.error(str(exc))
+    from bench import report
+
+    results_dir = Path(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
+                           results_dir=results_dir, keep_runs=args.keep_runs,
+                           command="sluice bench run " + " ".join(argv))
+    meta = result["_meta"]
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=False))
+    if args.summary:
+        report.write_summary(result, Path(args.summary), results_dir)
+    print(f"\nreproduced on envoy-rr: " + ", ".join(
+        f"{k}={'yes' if v else ('not run' if v is None else 'no')}" for k, v in meta["reproduced"].items()))
+    print(f"total wall time: {meta['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))
+
+
+__all__ = ["main", "run_scenarios", "run_one", "parse_prom", "parse_prom_labels", "SYSTEMS", "SCENARIOS"]

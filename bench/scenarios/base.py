@@ -1,0 +1,289 @@
+"""What every scenario is made of, and the measurement helpers they share.
+
+A scenario (one module per problem, `bench/scenarios/pNN_*.py`) says:
+  * the replica pool: how many simulated replicas, preset, `time_scale`, extra simulator flags;
+  * the workload: open-loop arrivals in SCENARIO seconds, faults at scenario times, how long to run;
+  * the policy knobs sluice should use (raw `admission` / `routing` / `budgets` / `tenants` sections), which the
+    plain Envoy systems ignore;
+  * its metrics, computed from a `RunData` (client records + replica samples + gateway samples);
+  * `reproduced(metrics)`: does this system's column show the problem (asked of envoy-rr).
+
+Time. The simulated replicas run `time_scale` times faster than the hardware they model. Scenario seconds =
+wall seconds x time_scale. Every time metric a scenario reports is in scenario seconds. The gateway (Envoy,
+sidecar) runs in wall time; headers sent to it carry wall seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable
+
+from bench.openloop import Arrival, ClientSpec, Record
+
+MODEL = "sim-model"
+
+
+@dataclass
+class Fault:
+    """POST /sim/fault to replica `replica` (index in the pool) at scenario time `at`."""
+
+    at: float
+    replica: int
+    fault: str
+    value: Any = None
+
+
+@dataclass
+class Workload:
+    arrivals: list[Arrival]
+    duration: float                 # scenario seconds of offered load
+    drain: float = 5.0              # scenario seconds after the last arrival before open requests are cancelled
+    faults: list[Fault] = field(default_factory=list)
+    notes: str = ""
+
+
+@dataclass
+class RunData:
+    """Everything measured in one (scenario, system) run. Times: wall seconds since t0 unless said otherwise."""
+
+    scenario: str
+    system: str
+    time_scale: float
+    replicas: list[str]                                   # addresses, pool order
+    records: list[Record] = field(default_factory=list)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # addr -> [{t, running, waiting, ...}]
+    events: list[dict[str, Any]] = field(default_factory=list)            # faults injected: {t, replica, fault}
+    sidecar: list[tuple[float, dict[str, list[tuple[dict[str, str], float]]]]] = field(default_factory=list)
+    envoy: list[tuple[float, dict[str, list[tuple[dict[str, str], float]]]]] = field(default_factory=list)
+    gateway_rss: list[tuple[float, int]] = field(default_factory=list)    # (t, Envoy + sidecar RSS bytes)
+    envoy_stats: dict[str, float] = field(default_factory=dict)           # final /stats/prometheus (summed)
+    sidecar_final: dict[str, float] = field(default_factory=dict)         # final sidecar /metrics (summed by name)
+    sim_final: dict[str, dict[str, Any]] = field(default_factory=dict)    # addr -> final /sim/state
+    extra: dict[str, Any] = field(default_factory=dict)                   # scenario-specific measurements
+    duration: float = 0.0                                                 # wall seconds of offered load
+    wall_s: float = 0.0
+
+    # ---- time ------------------------------------------------------------------------------------------------
+    def s(self, wall: float | None) -> float | None:
+        """Wall seconds -> scenario seconds."""
+        return None if wall is None else wall * self.time_scale
+
+    # ---- records ---------------------------------------------------------------------------------------------
+    def recs(self, kind: str | None = None, pred: Callable[[Record], bool] | None = None) -> list[Record]:
+        return [r for r in self.records if (kind is None or r.kind == kind) and (pred is None or pred(r))]
+
+    def ttfts(self, recs: Iterable[Record]) -> list[float]:
+        """TTFT in scenario seconds of the records that got a first token."""
+        return [r.ttft * self.time_scale for r in recs if r.ttft is not None]
+
+    def users(self, kind: str | None = None) -> dict[int, list[Record]]:
+        out: dict[int, list[Record]] = {}
+        for r in self.records:
+            if kind is None or r.kind == kind:
+                out.setdefault(r.user, []).append(r)
+        return out
+
+    # ---- replica samples ------------------------------------------------------------------------------------
+    def series(self, addr: str, key: str) -> list[tuple[float, float]]:
+        return [(x["t"], float(x[key])) for x in self.samples.get(addr, []) if x.get(key) is not None]
+
+    def max_over_replicas(self, key: str, t_from: float | None = None, t_to: float | None = None) -> float | None:
+        vals = [x[key] for ss in self.samples.values() for x in ss
+                if x.get(key) is not None and (t_from is None or x["t"] >= t_from) and (t_to is None or x["t"] <= t_to)]
+        return max(vals) if vals else None
+
+    def counter_total(self, key: str) -> float:
+        """Sum over replicas of a /sim/state counter at the end of the run."""
+        total = 0.0
+        for st in self.sim_final.values():
+            v = (st.get("counters") or {}).get(key)
+            if isinstance(v, (int, float)):
+                total += v
+        return total
+
+    def replica_requests_total(self) -> int:
+        """Requests that reached a replica's engine (finished for any reason, or still running / waiting)."""
+        total = 0
+        for st in self.sim_final.values():
+            fin = (st.get("counters") or {}).get("finished") or {}
+            total += sum(int(v) for v in fin.values()) + int(st.get("running", 0)) + int(st.get("waiting", 0))
+        return total
+
+    def time_grid(self, t_from: float, t_to: float) -> list[dict[str, dict[str, Any]]]:
+        """Samples aligned by poll round: for each round, addr -> sample (rounds where every replica answered)."""
+        by_round: dict[int, dict[str, dict[str, Any]]] = {}
+        for addr, ss in self.samples.items():
+            for x in ss:
+                if t_from <= x["t"] <= t_to:
+                    by_round.setdefault(x["round"], {})[addr] = x
+        n = len(self.samples)
+        return [v for _k, v in sorted(by_round.items()) if len(v) == n]
+
+    def first_time(self, source: str, name: str, pred: Callable[[dict[str, str], float], bool],
+                   after: float = 0.0) -> float | None:
+        """Wall time of the first poll of `source` ("sidecar" or "envoy") at or after `after` where some sample of
+        metric `name` satisfies pred(labels, value); None if never."""
+        series = self.sidecar if source == "sidecar" else self.envoy
+        for t, values in series:
+            if t < after:
+                continue
+            if any(pred(lbl, v) for lbl, v in values.get(name, [])):
+                return t
+        return None
+
+    def metric_present(self, source: str, name: str) -> bool:
+        series = self.sidecar if source == "sidecar" else self.envoy
+        return any(values.get(name) for _t, values in series)
+
+
+# ---- small numeric helpers ------------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (the smallest value with at least q % of the data at or below it); None for no
+    data (the report shows "none"). `bench.loadgen.percentile` rounds half to even and lands one rank high for
+    some sizes (p95 of 1..100 gives 96), so the scenarios use this one."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(1, math.ceil(q / 100.0 * len(ordered) - 1e-9))
+    return ordered[min(k, len(ordered)) - 1]
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def rnd(value: float | None, digits: int = 3) -> float | None:
+    if value is None or (isinstance(value, float) and (math.isnan(value) or math.isinf(value))):
+        return None
+    return round(float(value), digits)
+
+
+# ---- workload helpers ----------------------------------------------------------------------------------------
+# Words of at most six letters: the simulator's tokenizer counts each as one token.
+_WORDS = ("alpha bravo delta echo golf hotel india juliet kilo lima mike oscar papa quebec romeo sierra tango "
+          "victor xray yankee zulu").split()
+
+
+def text_of(tokens: int, salt: int = 0) -> str:
+    """Text the simulator's tokenizer counts as about `tokens` tokens (short words are one token each).
+
+    `salt` makes bodies distinct (a gateway may treat identical bodies from one tenant as retries)."""
+    n = max(1, tokens)
+    head = f"req{salt} "
+    words = [_WORDS[(salt + i * 7) % len(_WORDS)] for i in range(n - 1)]
+    return head + " ".join(words)
+
+
+def chat(prompt_tokens: int, max_tokens: int, salt: int, stream: bool = True,
+         system_tokens: int = 0, usage: bool = True) -> dict[str, Any]:
+    """A chat completion body whose prompt is about `prompt_tokens` tokens after the chat template."""
+    msgs = []
+    overhead = 4 + 4
+    if system_tokens:
+        msgs.append({"role": "system", "content": text_of(system_tokens - 4, 10_000_000 + system_tokens)})
+        prompt_tokens -= system_tokens
+    msgs.append({"role": "user", "content": text_of(max(1, prompt_tokens - overhead), salt)})
+    body: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "stream": stream}
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def scale_arrivals(arrivals: list[Arrival], time_scale: float) -> list[Arrival]:
+    """Scenario seconds -> wall seconds for arrival times and client timers."""
+    if time_scale == 1.0:
+        return arrivals
+    out = []
+    for a in arrivals:
+        c = a.client
+        c2 = replace(c,
+                     timeout_s=None if c.timeout_s is None else c.timeout_s / time_scale,
+                     cancel_after_s=None if c.cancel_after_s is None else c.cancel_after_s / time_scale,
+                     read_interval_s=c.read_interval_s / time_scale,
+                     sdk_backoff_s=c.sdk_backoff_s / time_scale,
+                     business_backoff_s=c.business_backoff_s / time_scale)
+        out.append(replace(a, at=a.at / time_scale, client=c2))
+    return out
+
+
+def ttfts_censored(run: RunData, recs: Iterable[Record]) -> list[float]:
+    """TTFT in scenario seconds; a request that never got a first token (still waiting when the run ended, or
+    failed) counts with the time it waited, a lower bound, instead of silently dropping out of the percentile."""
+    out = []
+    for r in recs:
+        if r.ttft is not None:
+            out.append(r.ttft * run.time_scale)
+        elif r.end is not None and not r.cancelled:
+            out.append((r.end - r.start) * run.time_scale)
+    return out
+
+
+def in_windows(t: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a <= t <= b for a, b in windows)
+
+
+@dataclass
+class Metric:
+    """A headline metric: key, what it means, unit, which direction is better."""
+
+    key: str
+    doc: str
+    unit: str = ""
+    better: str = "lower"  # lower | higher | "" (informational)
+
+
+class Scenario:
+    """Base class; subclasses set the class attributes and implement workload / metrics / reproduced."""
+
+    id = "P0"
+    title = ""
+    problem = ""              # one line: the problem as PROBLEMS.md states it
+    replicas = 2
+    preset = "tiny-cpu"
+    time_scale = 1.0
+    sim_args: list[str] = []
+    gateway: dict[str, Any] = {}        # gateway section, all systems (Envoy settings)
+    sidecar: dict[str, Any] = {}        # sidecar section, all systems (only sluice runs a sidecar)
+    limits: dict[str, Any] = {}
+    sluice_policy: dict[str, Any] = {}  # admission / routing / budgets / tenants: sluice only
+    poll_sidecar: tuple[str, ...] = ()  # sidecar metric names to poll over time (sluice only)
+    poll_envoy: tuple[str, ...] = ()    # Envoy admin /stats/prometheus names to poll over time (every system)
+    rss_poll: bool = False              # sample Envoy + sidecar RSS over time
+    nofile: int = 0                     # RLIMIT_NOFILE this scenario needs in the harness
+    client_rcvbuf: int = 0              # SO_RCVBUF of the load generator's sockets (0 = OS default)
+    settle_s: float = 0.0               # after the load, wait up to this long (wall) for idle replicas
+    budget_s = 20.0                     # rough wall budget per system-run in --quick mode (documentation)
+    metrics_doc: list[Metric] = []
+    headline: tuple[str, ...] = ()      # the keys the summary's overview table shows
+
+    def workload(self, quick: bool) -> Workload:
+        raise NotImplementedError
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        raise NotImplementedError
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        """Does this column show the problem? (bool, one line why)."""
+        raise NotImplementedError
+
+    async def during(self, ctl: Any, run: RunData, quick: bool) -> None:
+        """Optional extra control during the run (sampling, probes); faults go in Workload.faults."""
+        return None
+
+    def describe(self) -> str:
+        """The scenario module's docstring: workload, SLO, headline metrics, reproduction rule, sluice knobs."""
+        import sys
+
+        mod = sys.modules.get(type(self).__module__)
+        return ((mod.__doc__ if mod is not None else None) or type(self).__doc__ or "").strip()
+
+
+def client(**kw: Any) -> ClientSpec:
+    return ClientSpec(**kw)

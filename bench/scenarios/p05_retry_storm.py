@@ -1,0 +1,85 @@
+"""P5 retry storm: the model slows a little, timeouts trigger retries at every layer, retries kill it.
+
+Workload (2 replicas, tiny-cpu, time_scale 1): users send requests of 1,000 prompt and 48 output tokens at
+20/s (seeded Poisson, about half the pool's capacity). Each goes through a business layer that retries the
+whole call twice on timeouts and 5xx (0.2 s pause), around an SDK that behaves like the openai SDK: 1.5 s
+timeout (sent as `x-stainless-read-timeout`), max_retries 2 with exponential backoff 0.5 s x 2^n and jitter,
+honouring `x-should-retry` and `retry-after-ms` / `retry-after`, sending `x-stainless-retry-count`. So one user
+request can become up to 9 attempts (more behind envoy-lr, which retries 5xx and resets itself). At t=3 s both
+replicas slow down 3x (`slow` fault: "the model was only slow") until t=7 s.
+
+Headline metrics: `amplification` = requests that reached a replica / distinct user requests (from the
+replicas' own counters), `client_attempts_per_user`, `goodput_rps` (user requests that finally succeeded, per
+second), `ttft_p95_after_s` (attempts sent after the slowdown ended: does the storm outlive its cause?).
+Reproduced on envoy-rr when amplification >= 3.
+Sluice knobs: `budgets.retry` (max_share 0.1, window_s 10, floor 3: retries may be 10 % of admitted traffic;
+beyond it 429 with `x-should-retry: false`).
+"""
+
+from __future__ import annotations
+
+import random
+
+from bench.openloop import Arrival, ClientSpec
+from bench.scenarios.base import Fault, Metric, RunData, Scenario, Workload, chat, pct, rnd
+
+SDK_TIMEOUT_S = 1.5
+
+
+class S(Scenario):
+    id = "P5"
+    title = "retry storm"
+    problem = "retries at every layer multiply load 1 -> 2 -> 4 -> 8"
+    replicas = 2
+    time_scale = 1.0
+    settle_s = 3.0
+    sluice_policy = {"budgets": {"retry": {"enabled": True, "max_share": 0.1, "window_s": 10.0, "floor": 3}}}
+    headline = ('amplification', 'goodput_rps')
+    metrics_doc = [
+        Metric("amplification", "requests that reached a replica / distinct user requests", "x"),
+        Metric("client_attempts_per_user", "attempts the clients sent / distinct user requests", "x"),
+        Metric("goodput_rps", "user requests that finally succeeded, per second of offered load", "req/s",
+               "higher"),
+        Metric("user_success", "share of user requests that finally succeeded", "", "higher"),
+        Metric("ttft_p95_after_s", "p95 TTFT of attempts sent after the slowdown ended", "s"),
+        Metric("told_not_to_retry", "responses carrying x-should-retry: false", "", ""),
+    ]
+
+    def phases(self, quick: bool) -> tuple[float, float, float]:
+        return (3.0, 7.0, 11.0) if quick else (5.0, 15.0, 30.0)
+
+    def workload(self, quick: bool) -> Workload:
+        s0, s1, duration = self.phases(quick)
+        rng = random.Random(5)
+        spec = ClientSpec(timeout_s=SDK_TIMEOUT_S, send_read_timeout=True, sdk_max_retries=2, sdk_backoff_s=0.5,
+                          business_retries=2, business_backoff_s=0.2)
+        arrivals = []
+        t, n = 0.1, 0
+        while t < duration:
+            arrivals.append(Arrival(at=t, body=chat(1000, 48, salt=n), kind="user", client=spec))
+            n += 1
+            t += rng.expovariate(20.0)
+        faults = [Fault(s0, i, "slow", 3.0) for i in range(self.replicas)]
+        faults += [Fault(s1, i, "slow", 1.0) for i in range(self.replicas)]
+        # the tail of a user's retries may run 9 x 1.5 s + backoffs after its arrival
+        return Workload(arrivals=arrivals, duration=duration, drain=12.0, faults=faults)
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        quick = run.extra.get("quick", True)
+        _s0, s1, _d = (x / run.time_scale for x in self.phases(quick))
+        users = run.users()
+        n_users = len(users)
+        succeeded = sum(1 for rs in users.values() if any(r.ok for r in rs))
+        after = [r for r in run.records if r.start >= s1]
+        return {
+            "amplification": rnd(run.replica_requests_total() / n_users, 2) if n_users else None,
+            "client_attempts_per_user": rnd(len(run.records) / n_users, 2) if n_users else None,
+            "goodput_rps": rnd(succeeded / (run.duration * run.time_scale), 2),
+            "user_success": rnd(succeeded / n_users) if n_users else None,
+            "ttft_p95_after_s": rnd(pct(run.ttfts(after), 95)),
+            "told_not_to_retry": float(sum(1 for r in run.records if r.should_retry == "false")),
+        }
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        v = m.get("amplification")
+        return (v is not None and v >= 3.0), f"amplification {v} (needs >= 3)"

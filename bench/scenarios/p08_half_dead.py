@@ -1,0 +1,92 @@
+"""P8 half-dead replica: /health says 200, TTFT is 40 s.
+
+Workload (3 replicas, tiny-cpu, time_scale 1): requests of 500 prompt and 32 output tokens at 20/s (seeded
+Poisson, a third of the pool's capacity). At t=3 s replica 0 turns half-dead: the `slow` fault makes every
+engine step 20x longer (decode 150 -> 8 tokens/s, TTFT from tens of ms to seconds and growing) while its
+/health keeps answering 200 and it keeps accepting connections. Clients wait up to 15 s.
+
+Headline metrics: `detect_s` = time from the fault until the gateway reports the replica unhealthy (sluice: a
+sidecar metric `sluice_replica_state{replica=...,state!="healthy"}` = 1 or `sluice_replica_healthy{replica}`
+= 0; envoy-lr: Envoy's outlier detection `envoy_cluster_outlier_detection_ejections_active` > 0; null when the
+system has no such signal or never raised it), `sick_share_after_detect` = share of new requests sent to the
+sick replica after detection (when nothing is detected: after the fault starts; a fair share is 0.33),
+`ttft_p95_s` of requests sent after the fault.
+Reproduced on envoy-rr when sick_share_after_detect >= 0.25 (no detection, the sick replica keeps its share).
+Sluice knobs: `routing.health.ttft_p95_degraded_s: 2` (the document's 15 s scaled to this scenario) and
+`min_samples: 5`; TPS floor, error rate, drain, probe and slow start at their defaults.
+"""
+
+from __future__ import annotations
+
+import random
+
+from bench.openloop import Arrival, ClientSpec
+from bench.scenarios.base import Fault, Metric, RunData, Scenario, Workload, chat, pct, rnd
+
+SLOW = 20.0
+
+
+class S(Scenario):
+    id = "P8"
+    title = "half-dead replica"
+    problem = "health 200 but TTFT 40 s"
+    replicas = 3
+    time_scale = 1.0
+    poll_sidecar = ("sluice_replica_state", "sluice_replica_healthy")
+    poll_envoy = ("envoy_cluster_outlier_detection_ejections_active",)
+    sluice_policy = {"routing": {"health": {"ttft_p95_degraded_s": 2.0, "min_samples": 5}}}
+    headline = ('detect_s', 'sick_share_after_detect', 'ttft_p95_s')
+    metrics_doc = [
+        Metric("detect_s", "fault -> the gateway reports the replica unhealthy (none: no signal)", "s"),
+        Metric("sick_share_after_detect", "share of new requests sent to the sick replica after detection "
+               "(or after the fault when nothing detects it); fair share 0.33", ""),
+        Metric("ttft_p95_s", "p95 TTFT of requests sent after the fault", "s"),
+        Metric("failed_after", "requests sent after the fault that did not complete", ""),
+    ]
+
+    def phases(self, quick: bool) -> tuple[float, float]:
+        return (3.0, 11.0) if quick else (5.0, 40.0)
+
+    def workload(self, quick: bool) -> Workload:
+        t_fault, duration = self.phases(quick)
+        rng = random.Random(8)
+        arrivals = []
+        t, n = 0.1, 0
+        while t < duration:
+            arrivals.append(Arrival(at=t, body=chat(500, 32, salt=n), kind="user",
+                                    client=ClientSpec(timeout_s=15.0)))
+            n += 1
+            t += rng.expovariate(20.0)
+        return Workload(arrivals=arrivals, duration=duration, drain=4.0, faults=[Fault(t_fault, 0, "slow", SLOW)])
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        ts = run.time_scale
+        faults = [e for e in run.events if e["fault"] == "slow"]
+        t_fault = faults[0]["t"] if faults else self.phases(run.extra.get("quick", True))[0] / ts
+        sick = run.replicas[0]
+        detect = None
+        if run.system == "sluice":
+            a = run.first_time("sidecar", "sluice_replica_state",
+                               lambda l, v: l.get("replica") == sick and l.get("state") != "healthy" and v >= 1,
+                               after=t_fault)
+            b = run.first_time("sidecar", "sluice_replica_healthy",
+                               lambda l, v: l.get("replica") == sick and v == 0, after=t_fault)
+            cands = [x for x in (a, b) if x is not None]
+            detect = min(cands) if cands else None
+        else:
+            detect = run.first_time("envoy", "envoy_cluster_outlier_detection_ejections_active",
+                                    lambda l, v: v > 0, after=t_fault)
+        t_from = detect if detect is not None else t_fault
+        after = [r for r in run.records if r.start >= t_from and r.replica]
+        share = sum(1 for r in after if r.replica == sick) / len(after) if after else None
+        after_fault = [r for r in run.records if r.start >= t_fault]
+        return {
+            "detect_s": rnd((detect - t_fault) * ts, 2) if detect is not None else None,
+            "sick_share_after_detect": rnd(share),
+            "ttft_p95_s": rnd(pct(run.ttfts(after_fault), 95)),
+            "failed_after": float(sum(1 for r in after_fault if not r.ok)),
+        }
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        v = m.get("sick_share_after_detect")
+        return (v is not None and v >= 0.25), f"sick_share_after_detect {v} (needs >= 0.25), detect_s {m.get('detect_s')}"

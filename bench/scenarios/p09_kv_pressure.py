@@ -1,0 +1,81 @@
+"""P9 KV cache pressure: no more requests, but mixed long and short contexts make preemption (vLLM's OOM) sudden.
+
+Workload (2 replicas, tiny-cpu with 768 KV blocks = 12,288 tokens each, time_scale 1): 6 requests/s all along
+(seeded Poisson), short (300 prompt, 24 output tokens) or long (3,000 prompt, 240 output tokens). For the first
+4 s (quick; 10 s full) one request in ten is long and everything is fine; then the mix changes to one in two
+long at the same request rate. Compute stays far from saturated (a "GPU at 70 %" view says there is headroom),
+but the long requests' KV grows with every decoded token; vLLM admits new prompts while their first chunk
+fits, so running requests later run out of blocks and are preempted (their KV dropped, recomputed later): the
+simulator's stand-in for the sudden OOM. Preemption lengthens every request, which raises KV use further.
+
+SLO: TTFT <= 1 s.
+
+Headline metrics: `preemptions` (vllm:num_preemptions_total summed), `ttft_p99_s` (a request still waiting
+for its first token when the run ends counts with the time it waited, a lower bound), `kv_usage_max`,
+`slo_miss`, `ttft_p99_before_s` (the calm phase).
+Reproduced on envoy-rr when preemptions >= 10.
+Sluice knobs: `admission.kv_margin: 0.1` (admit on KV free vs the request's footprint, keeping 10 % free).
+"""
+
+from __future__ import annotations
+
+import random
+
+from bench.openloop import Arrival
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, ttfts_censored
+
+SLO_TTFT_S = 1.0
+
+
+class S(Scenario):
+    id = "P9"
+    title = "KV cache pressure"
+    problem = "KV cache fragmentation makes OOM sudden"
+    replicas = 2
+    time_scale = 1.0
+    sim_args = ["--num-gpu-blocks", "768"]
+    sluice_policy = {"admission": {"kv_margin": 0.1}}
+    headline = ('preemptions', 'ttft_p99_s')
+    metrics_doc = [
+        Metric("preemptions", "vLLM preemptions summed over replicas", ""),
+        Metric("ttft_p99_s", "p99 TTFT of all requests", "s"),
+        Metric("ttft_p50_s", "median TTFT of all requests", "s"),
+        Metric("ttft_p99_before_s", "p99 TTFT while the mix was mostly short", "s"),
+        Metric("kv_usage_max", "highest KV usage seen on any replica", "fraction", ""),
+        Metric("slo_miss", f"share of requests with TTFT > {SLO_TTFT_S} s or failed", ""),
+    ]
+
+    def phases(self, quick: bool) -> tuple[float, float]:
+        return (4.0, 11.0) if quick else (10.0, 40.0)
+
+    def workload(self, quick: bool) -> Workload:
+        t_mix, duration = self.phases(quick)
+        rng = random.Random(9)
+        arrivals = []
+        t, n = 0.1, 0
+        while t < duration:
+            long_ = rng.random() < (0.1 if t < t_mix else 0.5)
+            body = chat(3000, 240, salt=n) if long_ else chat(300, 24, salt=n)
+            arrivals.append(Arrival(at=t, body=body, kind="long" if long_ else "short"))
+            n += 1
+            t += rng.expovariate(6.0)
+        return Workload(arrivals=arrivals, duration=duration, drain=5.0)
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        ts = run.time_scale
+        t_mix = self.phases(run.extra.get("quick", True))[0] / ts
+        recs = run.records
+        miss = [r for r in recs if not r.ok or r.ttft is None or r.ttft * ts > SLO_TTFT_S]
+        censored = ttfts_censored(run, recs)
+        return {
+            "preemptions": run.counter_total("preemptions"),
+            "ttft_p99_s": rnd(pct(censored, 99)),
+            "ttft_p50_s": rnd(pct(censored, 50)),
+            "ttft_p99_before_s": rnd(pct(ttfts_censored(run, [r for r in recs if r.start < t_mix]), 99)),
+            "kv_usage_max": rnd(run.max_over_replicas("kv")),
+            "slo_miss": rnd(len(miss) / len(recs) if recs else None),
+        }
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        v = m.get("preemptions")
+        return (v is not None and v >= 10), f"preemptions {v} (needs >= 10)"

@@ -1,0 +1,115 @@
+"""P11 agents amplify traffic: one task makes dozens of LLM calls and one tenant eats the pool.
+
+Workload (2 replicas, tiny-cpu, time_scale 1): tenant `interactive` sends chat requests of 300 prompt and 24
+output tokens at 6/s (seeded Poisson) all along (`x-sluice-tenant: interactive`). From t=2 s tenant `agents`
+starts an agent task every 0.5 s; a task calls the model in a loop (planner, tools, reflection...), each call
+sent when the previous answered, up to 30 calls (multi-agent 20-50 in the document), its context growing by
+150 tokens per step from 600, 16 output tokens. Calls carry `x-sluice-tenant: agents`, `x-sluice-task-id` and
+`x-sluice-task-depth` (the step). A call refused by the gateway (4xx) ends its task, as an agent framework
+surfaces the budget error.
+
+Headline metrics: `max_calls_per_task` (calls that got an answer, most in one task), `max_tokens_per_task`
+(prompt + completion tokens of one task, from usage), `other_tenant_ttft_p95_s` (interactive tenant while
+agents run), `other_tenant_ttft_p95_idle_s` (before they start), `tasks_refused` (tasks stopped by a budget).
+Reproduced on envoy-rr when max_calls_per_task >= 20 and the interactive tenant's p95 TTFT at least doubles.
+Sluice knobs: `budgets.tasks` (max_calls 8, max_tokens 20,000 per task) and `budgets.tenants.tokens_per_minute`
+(`agents`: 600,000). Sluice runs two sidecar processes (`sidecar.workers: 2`) sharing the budgets through a
+redis-server the harness starts, so `max_calls_per_task` == 8 shows the limit holding across sidecars.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from bench.openloop import Arrival, Ctx
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
+
+MAX_CALLS = 30
+
+
+def agent_script(task: str, steps: int):
+    async def script(ctx: Ctx) -> None:
+        for step in range(steps):
+            headers = {"x-sluice-tenant": "agents", "x-sluice-task-id": task, "x-sluice-task-depth": str(step)}
+            rec = await ctx.call(chat(600 + 150 * step, 16, salt=zlib.crc32(f"{task}/{step}".encode()) & 0xFFFFFF), headers=headers,
+                                 kind="agent", group=task)
+            if not rec.ok:
+                return
+    return script
+
+
+class S(Scenario):
+    id = "P11"
+    title = "agent amplification"
+    problem = "agents amplify traffic internally"
+    replicas = 2
+    time_scale = 1.0
+    # Two sidecar processes share the task budgets through a real Redis: the limit must hold exactly across them.
+    sidecar = {"workers": 2}
+    redis = True
+    sluice_policy = {"budgets": {"tasks": {"max_calls": 8, "max_tokens": 20000},
+                                 "tenants": {"tokens_per_minute": {"agents": 600000}}}}
+    headline = ('max_calls_per_task', 'max_tokens_per_task', 'other_tenant_ttft_p95_s')
+    metrics_doc = [
+        Metric("max_calls_per_task", "answered calls of the busiest task", "calls"),
+        Metric("max_tokens_per_task", "prompt + completion tokens of the costliest task", "tok"),
+        Metric("mean_calls_per_task", "answered calls per task", "calls", ""),
+        Metric("other_tenant_ttft_p95_s", "p95 TTFT of the interactive tenant while agents run", "s"),
+        Metric("other_tenant_ttft_p95_idle_s", "p95 TTFT of the interactive tenant before agents start", "s"),
+        Metric("tasks_refused", "tasks stopped by a gateway refusal (4xx)", "", ""),
+    ]
+
+    def phases(self, quick: bool) -> tuple[float, float]:
+        return (2.0, 11.0) if quick else (5.0, 40.0)
+
+    def workload(self, quick: bool) -> Workload:
+        t_agents, duration = self.phases(quick)
+        rng = random.Random(11)
+        arrivals = []
+        t, n = 0.1, 0
+        while t < duration:
+            arrivals.append(Arrival(at=t, body=chat(300, 24, salt=n), kind="interactive",
+                                    headers={"x-sluice-tenant": "interactive"}))
+            n += 1
+            t += rng.expovariate(6.0)
+        t, k = t_agents, 0
+        while t < duration - 1.0:
+            task = f"task-{k:04d}"
+            arrivals.append(Arrival(at=t, kind="agent", group=task, script=agent_script(task, MAX_CALLS)))
+            k += 1
+            t += 0.5
+        return Workload(arrivals=arrivals, duration=duration, drain=4.0)
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        ts = run.time_scale
+        t_agents = self.phases(run.extra.get("quick", True))[0] / ts
+        calls: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        refused: set[str] = set()
+        for r in run.recs("agent"):
+            calls.setdefault(r.group, 0)
+            tokens.setdefault(r.group, 0)
+            if r.status == 200 and r.tokens:
+                calls[r.group] += 1
+                tokens[r.group] += (r.prompt_tokens + r.completion_tokens) or r.tokens
+            elif 400 <= r.status < 500:
+                refused.add(r.group)
+        inter = run.recs("interactive")
+        busy = [r for r in inter if r.start >= t_agents + 1.0 / ts]
+        idle = [r for r in inter if r.start < t_agents]
+        return {
+            "max_calls_per_task": float(max(calls.values())) if calls else None,
+            "max_tokens_per_task": float(max(tokens.values())) if tokens else None,
+            "mean_calls_per_task": rnd(sum(calls.values()) / len(calls), 1) if calls else None,
+            "other_tenant_ttft_p95_s": rnd(pct(run.ttfts(busy), 95)),
+            "other_tenant_ttft_p95_idle_s": rnd(pct(run.ttfts(idle), 95)),
+            "tasks_refused": float(len(refused)),
+        }
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        c = m.get("max_calls_per_task")
+        b, i = m.get("other_tenant_ttft_p95_s"), m.get("other_tenant_ttft_p95_idle_s")
+        hurt = b is not None and i is not None and i > 0 and b / i >= 2
+        return (c is not None and c >= 20 and hurt,
+                f"max_calls_per_task {c} (needs >= 20), interactive p95 {b} vs idle {i} (needs >= 2x)")

@@ -1,0 +1,90 @@
+"""P13 upstream faster than downstream: slow stream readers.
+
+Workload (2 replicas, tiny-cpu, time_scale 1): 30 slow streams (quick; 100 full) ask for 1,500 output tokens
+(the replica produces about 150 tokens/s per stream) and read 256 bytes every 0.25 s (about 5 tokens/s: a slow
+WebSocket bridge or mobile network), with a 16 KiB socket receive buffer; 20 normal streams of 200 tokens read
+at full speed alongside. Envoy's per-connection buffer limit (64 KiB, `gateway.buffer_limit_bytes`) and a
+16 KiB socket send buffer toward clients (`gateway.socket_send_buffer_bytes`), both for every system, pause
+reading from the replica when a slow client's buffers fill, so gateway memory stays bounded, but nothing cuts
+the slow streams: the replica keeps generating tokens nobody will read in time.
+
+Headline metrics: `gateway_rss_mb_per_slow_stream` (Envoy + sidecar RSS growth during the run / slow streams),
+`slow_streams_cut` (share of slow streams the gateway ended before completion: the client saw the stream end
+early, or the replica aborted it, before the run's end; a cut client may only notice once it has drained its
+buffers), `unread_tokens` (tokens the replicas generated that no client read) and its share of all generated,
+`normal_ttft_p95_s`.
+Reproduced on envoy-rr when no slow stream was cut and more than half of the generated tokens went unread.
+Sluice knobs: `streaming.slow_consumer` (min_bytes_per_s 4,000: a normal stream drains about 25 KB/s, a slow
+one 1 KB/s; grace_s 2; report_interval_s 0.5): the sidecar cuts a stream that stays under the floor and the cut
+resets the replica's request.
+"""
+
+from __future__ import annotations
+
+from bench.openloop import Arrival, ClientSpec
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
+
+
+class S(Scenario):
+    id = "P13"
+    title = "slow consumers"
+    problem = "upstream faster than downstream"
+    replicas = 2
+    time_scale = 1.0
+    rss_poll = True
+    client_rcvbuf = 16384
+    gateway = {"socket_send_buffer_bytes": 16384}
+    sluice_policy = {"streaming": {"slow_consumer": {"min_bytes_per_s": 4000, "grace_s": 2.0,
+                                                     "report_interval_s": 0.5}}}
+    headline = ('slow_streams_cut', 'unread_tokens', 'gateway_rss_mb_per_slow_stream')
+    metrics_doc = [
+        Metric("gateway_rss_mb_per_slow_stream", "Envoy + sidecar RSS growth / slow streams", "MB"),
+        Metric("gateway_rss_growth_mb", "Envoy + sidecar RSS max - RSS at start", "MB"),
+        Metric("slow_streams_cut", "share of slow streams the gateway ended before completion", "", "higher"),
+        Metric("unread_tokens", "tokens the replicas generated that no client read", "tok"),
+        Metric("unread_tokens_share", "unread_tokens / tokens generated", ""),
+        Metric("normal_ttft_p95_s", "p95 TTFT of the normal-speed streams", "s"),
+    ]
+
+    def workload(self, quick: bool) -> Workload:
+        n_slow, duration = (30, 10.0) if quick else (100, 30.0)
+        slow = ClientSpec(read_bytes=256, read_interval_s=0.25, timeout_s=120.0)
+        arrivals = [Arrival(at=0.5 + 2.0 * i / n_slow, body=chat(200, 1500, salt=i), kind="slow", client=slow)
+                    for i in range(n_slow)]
+        arrivals += [Arrival(at=1.0 + (duration - 3.0) * i / 20, body=chat(300, 200, salt=10_000 + i),
+                             kind="normal") for i in range(20)]
+        return Workload(arrivals=arrivals, duration=duration, drain=0.5)
+
+    def metrics(self, run: RunData) -> dict[str, float | None]:
+        slow = run.recs("slow")
+        # Cut by the gateway: the client saw the stream end (error or EOF) before [DONE] by its own choice or the
+        # run's end, or the replica aborted the request before the run's end. A cut client may learn of it only
+        # when it has drained what its buffers hold, so the replicas' abort counters are the reliable view (no
+        # P13 client leaves on its own before the run ends).
+        client_cut = [r for r in slow if r.status == 200 and not r.done and not r.cancelled and not r.timed_out
+                      and r.error != "unfinished"]
+        deadline = run.extra.get("deadline", run.duration) - 0.3
+        aborted = 0.0
+        for addr in run.replicas:
+            before = [x.get("aborted") or 0 for x in run.samples.get(addr, []) if x["t"] <= deadline]
+            aborted += max(before, default=0)
+        n_cut = max(float(len(client_cut)), aborted)
+        rss0 = run.gateway_rss[0][1] if run.gateway_rss else None
+        rss_max = max((v for _t, v in run.gateway_rss), default=None)
+        growth = (rss_max - rss0) / 1e6 if rss0 is not None and rss_max is not None else None
+        generated = run.counter_total("generation_tokens")
+        read = sum(r.tokens for r in run.records)
+        unread = max(0.0, generated - read)
+        return {
+            "gateway_rss_mb_per_slow_stream": rnd(growth / len(slow), 3) if growth is not None and slow else None,
+            "gateway_rss_growth_mb": rnd(growth, 1),
+            "slow_streams_cut": rnd(min(1.0, n_cut / len(slow))) if slow else None,
+            "unread_tokens": unread,
+            "unread_tokens_share": rnd(unread / generated) if generated else None,
+            "normal_ttft_p95_s": rnd(pct(run.ttfts(run.recs("normal")), 95)),
+        }
+
+    def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
+        cut, unread = m.get("slow_streams_cut"), m.get("unread_tokens_share")
+        ok = cut is not None and cut == 0 and unread is not None and unread > 0.5
+        return ok, f"slow_streams_cut {cut} (needs 0), unread_tokens_share {unread} (needs > 0.5)"

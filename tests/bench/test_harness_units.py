@@ -1,0 +1,231 @@
+"""Fast tests of the scenario harness pieces: aggregation, SSE parsing, retry rules, report, JSON layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.openloop import ClientSpec, Record, business_should_retry, scan_events, sdk_backoff, sdk_should_retry
+from bench.runner import parse_prom, parse_prom_labels, run_scenarios
+from bench.scenarios import SCENARIOS, get_scenarios
+from bench.scenarios.base import (Metric, RunData, Scenario, Workload, chat, in_windows, pct, ratio, rnd,
+                                  scale_arrivals, ttfts_censored)
+
+
+def rec(**kw) -> Record:
+    base = dict(user=0, attempt=0, sdk_attempt=0, kind="k")
+    base.update(kw)
+    return Record(**base)
+
+
+def test_pct_and_helpers():
+    assert pct([], 95) is None
+    assert pct([1.0], 99) == 1.0
+    vals = [float(i) for i in range(1, 101)]
+    assert pct(vals, 50) == 50.0
+    assert pct(vals, 95) == 95.0
+    assert pct(vals, 99) == 99.0
+    assert ratio(4.0, 2.0) == 2.0
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+    assert rnd(float("nan")) is None and rnd(1.23456, 2) == 1.23
+    assert in_windows(1.5, [(0, 1), (1.4, 2)]) and not in_windows(3, [(0, 1)])
+
+
+def test_rundata_time_scale_and_censoring():
+    run = RunData(scenario="PX", system="envoy-rr", time_scale=10.0, replicas=["a", "b"])
+    run.records = [rec(start=1.0, first_token=1.5, end=2.0, status=200, done=True),
+                   rec(start=1.0, end=3.0, status=200),                      # never got a token
+                   rec(start=1.0, end=1.2, cancelled=True)]                  # the client left: not counted
+    assert run.ttfts(run.records) == [5.0]                                   # 0.5 wall s x 10
+    assert sorted(ttfts_censored(run, run.records)) == [5.0, 20.0]
+    run.samples = {"a": [{"t": 0.0, "round": 0, "kv": 0.9}, {"t": 0.25, "round": 1, "kv": 0.8}],
+                   "b": [{"t": 0.0, "round": 0, "kv": 0.1}]}
+    grid = run.time_grid(0.0, 1.0)
+    assert len(grid) == 1 and set(grid[0]) == {"a", "b"}                    # round 1 lacks b
+    assert run.max_over_replicas("kv") == 0.9
+    run.sim_final = {"a": {"running": 1, "waiting": 2, "counters": {"finished": {"stop": 3, "abort": 1},
+                                                                    "preemptions": 4}},
+                     "b": {"running": 0, "waiting": 0, "counters": {"finished": {"length": 5}, "preemptions": 1}}}
+    assert run.replica_requests_total() == 12
+    assert run.counter_total("preemptions") == 5
+
+
+def test_scan_events_counts_content_and_first_token():
+    r = rec(start=0.0)
+    role_and_first = (b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                      b'"logprobs":null,"finish_reason":null}]}\n\n'
+                      b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"the"}}]}\n\n')
+    tail = scan_events(role_and_first + b'data: {"id":"x","choices":[{"index":0,"del', r, 0.5)
+    assert r.tokens == 1 and r.first_token == 0.5
+    tail = scan_events(tail + b'ta":{"content":" of"}}]}\n\n', r, 0.7)
+    assert tail == b"" and r.tokens == 2 and r.first_token == 0.5
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    scan_events(usage, r, 0.8)
+    assert r.done and r.prompt_tokens == 12 and r.completion_tokens == 2 and r.tokens == 2
+
+
+def test_sdk_retry_rules_follow_the_openai_sdk():
+    assert sdk_should_retry(rec(status=503))
+    assert sdk_should_retry(rec(status=429))
+    assert not sdk_should_retry(rec(status=400))
+    assert not sdk_should_retry(rec(status=429, should_retry="false"))
+    assert sdk_should_retry(rec(status=400, should_retry="true"))
+    assert sdk_should_retry(rec(status=0, timed_out=True))
+    assert not sdk_should_retry(rec(status=0, cancelled=True))
+    import random
+    spec = ClientSpec(sdk_backoff_s=0.5)
+    assert sdk_backoff(rec(status=429, retry_after_s=2.0), 0, spec, random.Random(0)) == 2.0
+    b = sdk_backoff(rec(status=503), 1, spec, random.Random(0))
+    assert 0.75 <= b <= 1.0                                                   # 0.5 x 2^1, jitter x0.75..1
+    assert sdk_backoff(rec(status=503, retry_after_s=600.0), 0, spec, random.Random(0)) <= 0.5
+    assert business_should_retry(rec(status=502)) and business_should_retry(rec(status=0))
+    assert not business_should_retry(rec(status=429)) and not business_should_retry(rec(status=200, done=True))
+
+
+def test_scale_arrivals_converts_scenario_to_wall_seconds():
+    from bench.openloop import Arrival
+    arr = [Arrival(at=10.0, body={}, client=ClientSpec(timeout_s=4.0, sdk_backoff_s=0.5, read_interval_s=1.0))]
+    out = scale_arrivals(arr, 4.0)
+    assert out[0].at == 2.5 and out[0].client.timeout_s == 1.0 and out[0].client.sdk_backoff_s == 0.125
+    assert out[0].client.read_interval_s == 0.25 and arr[0].at == 10.0      # input untouched
+
+
+def test_chat_body_prompt_size_matches_the_simulator_tokenizer():
+    from extproc.sim import tokenizer
+    for n in (100, 1000, 6000):
+        b = chat(n, 8, salt=7)
+        got = tokenizer.chat_prompt(b["messages"], False)[0]
+        assert abs(got - n) <= 8, (n, got)
+    assert chat(100, 8, salt=1) != chat(100, 8, salt=2)                        # bodies stay distinct
+
+
+def test_parse_prometheus_text():
+    text = ('# HELP x\n# TYPE x counter\nsluice_prompt_shift_events_total{app="a"} 2.0\n'
+            'sluice_prompt_shift_events_total{app="b"} 1.0\nsluice_prompt_shift_events_total_created 5\n'
+            'sluice_replica_state{pool="m",replica="1.2.3.4:5",state="degraded"} 1.0\nup 1\n')
+    assert parse_prom(text)["sluice_prompt_shift_events_total"] == 3.0
+    assert parse_prom(text, ("up",)) == {"up": 1.0}
+    samples = parse_prom_labels(text, "sluice_replica_state")
+    assert samples == [({"pool": "m", "replica": "1.2.3.4:5", "state": "degraded"}, 1.0)]
+    assert len(parse_prom_labels(text, "sluice_prompt_shift_events_total")) == 2
+
+
+REQUIRED_KEYS = {
+    "P1": {"goodput_rps", "ttft_p95_s", "shed_fraction", "shed_latency_p99_s", "replica_waiting_max"},
+    "P2": {"ttft_p95_s", "goodput_rps"},
+    "P3": {"short_ttft_p95_s", "short_ttft_p95_idle_s", "hol_slowdown"},
+    "P4": {"ghost_tokens", "ghost_tokens_per_cancel"},
+    "P5": {"amplification", "goodput_rps"},
+    "P6": {"recollapses", "time_to_full_s"},
+    "P7": {"kv_usage_spread", "ttft_p95_s"},
+    "P8": {"detect_s", "sick_share_after_detect", "ttft_p95_s"},
+    "P9": {"preemptions", "ttft_p99_s"},
+    "P10": {"detect_s", "capacity_estimate_error"},
+    "P11": {"max_calls_per_task", "max_tokens_per_task", "other_tenant_ttft_p95_s"},
+    "P12": {"open_streams_max", "rejected_clean", "gateway_rss_mb"},
+    "P13": {"gateway_rss_mb_per_slow_stream", "slow_streams_cut"},
+}
+
+
+@pytest.mark.parametrize("sid", list(SCENARIOS))
+def test_every_scenario_is_bounded_documented_and_robust(sid: str):
+    [sc] = get_scenarios([sid])
+    assert sc.id == sid
+    doc = sc.describe()
+    assert "Workload" in doc and "Headline metrics" in doc and "Reproduced on envoy-rr" in doc
+    keys = {m.key for m in sc.metrics_doc}
+    assert REQUIRED_KEYS[sid] <= keys
+    for quick, budget in ((True, 26.0), (False, 90.0)):
+        wl = sc.workload(quick)
+        assert 0 < len(wl.arrivals) <= 20000
+        assert (wl.duration + wl.drain) / sc.time_scale <= budget, "a system-run must fit its wall budget"
+        assert all(0 <= a.at <= wl.duration for a in wl.arrivals)
+    # metrics of an empty run: every key present, values are numbers or None (the report shows "none")
+    run = RunData(scenario=sid, system="envoy-rr", time_scale=sc.time_scale, replicas=["127.0.0.1:1"],
+                  duration=10.0)
+    run.extra["quick"] = True
+    m = sc.metrics(run)
+    assert set(m) == keys
+    assert all(v is None or isinstance(v, (int, float)) for v in m.values())
+    ok, why = sc.reproduced(m)
+    assert ok is False and why
+
+
+def test_sluice_policy_sections_parse_with_the_sidecars_own_parsers():
+    adm = pytest.importorskip("extproc.admission.policy")
+    rout = pytest.importorskip("extproc.routing.policy")
+    bud = pytest.importorskip("extproc.budgets.policy")
+    streaming = pytest.importorskip("extproc.streaming")
+    identity = pytest.importorskip("extproc.identity")
+    for sc in get_scenarios(["all"]):
+        sc.workload(True)
+        p = sc.sluice_policy
+        assert set(p) <= {"admission", "routing", "budgets", "tenants", "streaming"}
+        if "streaming" in p:
+            streaming.StreamingPolicy.from_dict(p["streaming"])
+        if "tenants" in p:
+            identity.TenantPolicy.from_dict(p["tenants"])
+        if "admission" in p:
+            adm.admission_policy_from_dict(p["admission"], 30.0)
+        if "routing" in p:
+            rout.RoutingPolicy.from_dict(p["routing"])
+        if "budgets" in p:
+            bud.BudgetPolicy.from_dict(p["budgets"])
+
+
+class _Fake(Scenario):
+    """A scenario for report tests (no processes). Workload: none. Headline metrics: hol_slowdown."""
+
+    id = "P3"
+    title = "fake"
+    metrics_doc = [Metric("hol_slowdown", "ratio", "x"), Metric("detect_s", "none when absent", "s")]
+
+    def workload(self, quick: bool) -> Workload:
+        return Workload(arrivals=[], duration=1.0)
+
+    def metrics(self, run: RunData) -> dict:
+        return {"hol_slowdown": 2.0 if run.system == "envoy-rr" else 1.1, "detect_s": None}
+
+    def reproduced(self, m: dict) -> tuple[bool, str]:
+        return (m["hol_slowdown"] or 0) >= 3, f"hol_slowdown {m['hol_slowdown']}"
+
+
+def test_report_table_shows_none_and_not_reproduced():
+    sc = _Fake()
+    by = {"sluice": {"hol_slowdown": 1.1, "detect_s": None}, "envoy-rr": {"hol_slowdown": 25.0, "detect_s": None}}
+    text = report.render_table(sc, by, reproduced=False, why="hol_slowdown 2")
+    lines = text.splitlines()
+    assert lines[0] == "| metric | envoy-rr | sluice | better |"                # systems as columns, rr first
+    assert "| `hol_slowdown` (x) | 25 | 1.1 | lower |" in lines
+    assert "| `detect_s` (s) | none | none | lower |" in lines
+    assert "problem not reproduced" in text
+    assert "yes" in report.render_table(sc, by, reproduced=True)
+    assert report.fmt(0.000123) == "0.00012" and report.fmt(1234.5) == "1234" and report.fmt(3.0) == "3"
+
+
+def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """run_scenarios with the stack replaced by canned runs: layout {P: {system: {metric: value}}, _meta}."""
+    import bench.runner as runner
+
+    def fake_run_one(sc, system, quick, seed, workdir):
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        run.records = [rec(start=0.0, first_token=0.1, end=0.2, status=200, done=True, kind="short")]
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    out = run_scenarios([_Fake()], ["sluice", "envoy-rr"], quick=True, results_dir=tmp_path, plots=True,
+                        command="sluice bench run P3 --quick")
+    assert set(out) == {"P3", "_meta"}
+    assert set(out["P3"]) == {"sluice", "envoy-rr"}
+    assert out["P3"]["envoy-rr"] == {"hol_slowdown": 2.0, "detect_s": None}
+    assert out["_meta"]["reproduced"] == {"P3": False}
+    json.dumps(out)                                                           # serialisable as is
+    assert (tmp_path / "P3.md").read_text().count("problem not reproduced") == 1
+    assert "sluice bench run P3 --quick" in (tmp_path / "P3.md").read_text()
+    assert (tmp_path / "P3-sluice.png").stat().st_size > 1000
+    summary = report.write_summary(out, tmp_path / "summary.md", tmp_path, scenarios=[_Fake()])
+    text = summary.read_text()
+    assert "| P3 fake | **problem not reproduced** |" in text and "Commit:" in text
