@@ -178,10 +178,11 @@ async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
     for t in (0.5, 1.0, 1.5, 2.0):
         s.drain[0].tick(t)
     s.service_s[0] = 0.5  # one in flight / 0.5 s = 2/s as well
-    queued = [s.submit(req(), 2.0) for _ in range(3)]
+    # 2 releases/s and a 2 s budget, with the safety factor: about two may queue
+    queued = [s.submit(req(), 2.0) for _ in range(2)]
     assert all(isinstance(w, Waiter) for w in queued)
     with pytest.raises(Shed) as exc:
         for _ in range(10):
             s.submit(req(), 2.0)
     assert exc.value.code == "queue_wait_exceeds_deadline"
-    assert exc.value.status == 429 and exc.value.retry_after_s >= 2.0
+    assert exc.value.status == 429 and exc.value.retry_after_s >= 1.0
