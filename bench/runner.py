@@ -472,7 +472,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write {scenario: {system: {metric: value}}} here")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--results-dir", default=str(RESULTS), help="per-scenario tables and plots")
-    parser.add_argument("--summary", default=str(SUMMARY), help="markdown summary of every table ('' = none)")
+    parser.add_argument("--summary", default=None,
+                        help=f"markdown summary of every table (default: {SUMMARY} when every scenario and system "
+                             "runs, so a partial run never overwrites the published summary; '' = none)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
     args = parser.parse_args(argv)
@@ -495,8 +497,12 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=False))
-    if args.summary:
-        report.write_summary(result, Path(args.summary), results_dir)
+    summary = args.summary
+    if summary is None:
+        complete = set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
+        summary = str(SUMMARY) if complete else ""
+    if summary:
+        report.write_summary(result, Path(summary), results_dir)
     print(f"\nreproduced on envoy-rr: " + ", ".join(
         f"{k}={'yes' if v else ('not run' if v is None else 'no')}" for k, v in meta["reproduced"].items()))
     print(f"total wall time: {meta['wall_s']} s")
