@@ -308,7 +308,7 @@ class _Run:
             await arr.script(ctx)
         else:
             assert arr.body is not None
-            await ctx.call(arr.body)
+            await ctx.call(arr.body, headers=arr.headers)
 
 
 def raise_nofile(want: int) -> int:

@@ -177,6 +177,7 @@ class Gateway:
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers)
         self.scraper = None  # set by the server when scraping is on
+        self.estimate_ratio: dict[str, float] = {}  # replica-counted / estimated prompt tokens, from observations
         self.open_requests = 0
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
@@ -326,8 +327,10 @@ class Gateway:
             self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome)
 
     def capacity_tokens_per_s(self, model: str) -> float:
-        """A pool's token throughput, for P10's capacity-at-cost report: per routable replica the highest token
-        rate (prompt + generation) its engine showed while busy, else the policy's prefill rate."""
+        """A pool's token throughput, for P10's capacity-at-cost report: per routable replica the prompt-token rate
+        (over the scrape window) its engine showed the last time it was busy, else the
+        policy's prefill rate. The last busy rate, not the peak: prefill per token slows as prompts grow, and the
+        report is about the prompts now being sent."""
         pool = self.pools.get(model)
         if pool is None:
             return 0.0
@@ -337,11 +340,12 @@ class Gateway:
                 continue
             e = r.engine
             busy = e.running + e.waiting > 0
-            seen = e.prompt_tps + e.generation_tps
-            if busy and seen > r.peak_tps:
+            seen = e.prompt_tps  # prefill dominates a long prompt's cost (and completions are mostly unobserved)
+            if busy and seen > 0:
                 r.peak_tps = seen
             total += r.peak_tps or self.admission.prefill_tokens_per_s
-        return total
+        # The detector counts estimated tokens; the engine counts real ones: convert with the observed ratio.
+        return total / self.estimate_ratio.get(model, 1.0)
 
     def kick_all(self) -> None:
         """Capacity may have changed (scrape, health): dispatch what now fits."""
@@ -555,7 +559,10 @@ class Gateway:
             m.OBSERVED_TTFT.labels(model).observe(ttft)
         prompt = obs.prompt_tokens
         if prompt is not None and req.prompt_tokens > 0:
-            m.PROMPT_ESTIMATE_RATIO.labels(model).observe(prompt / req.prompt_tokens)
+            ratio = prompt / req.prompt_tokens
+            m.PROMPT_ESTIMATE_RATIO.labels(model).observe(ratio)
+            old = self.estimate_ratio.get(model)
+            self.estimate_ratio[model] = ratio if old is None else 0.8 * old + 0.2 * ratio
         return prompt, obs.completion_tokens
 
     # ---- end of stream: always called, exactly once ---------------------------------------------------

@@ -64,7 +64,7 @@ class Replica:
     lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
     served_total: int = 0
     errors_total: int = 0
-    peak_tps: float = 0.0               # highest token throughput (prompt + generated) seen while busy
+    peak_tps: float = 0.0               # token throughput (prompt + generated) the last time it was busy
     # engine state and health
     engine: EngineState = field(default_factory=EngineState)
     state: str = HEALTHY
