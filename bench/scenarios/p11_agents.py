@@ -13,7 +13,8 @@ Headline metrics: `max_calls_per_task` (calls that got an answer, most in one ta
 agents run), `other_tenant_ttft_p95_idle_s` (before they start), `tasks_refused` (tasks stopped by a budget).
 Reproduced on envoy-rr when max_calls_per_task >= 20 and the interactive tenant's p95 TTFT at least doubles.
 Sluice knobs: `budgets.tasks` (max_calls 8, max_tokens 20,000 per task) and `budgets.tenants.tokens_per_minute`
-(`agents`: 300,000). Sluice runs two sidecar processes (`sidecar.workers: 2`) sharing the budgets through a
+(`agents`: 40,000: the tenant's share of the pool, so the interactive tenant keeps its TTFT). Sluice runs
+two sidecar processes (`sidecar.workers: 2`) sharing the budgets through a
 redis-server the harness starts, so `max_calls_per_task` == 8 shows the limit holding across sidecars.
 """
 
@@ -49,7 +50,7 @@ class S(Scenario):
     sidecar = {"workers": 2}
     redis = True
     sluice_policy = {"budgets": {"tasks": {"max_calls": 8, "max_tokens": 20000},
-                                 "tenants": {"tokens_per_minute": {"agents": 300000}}}}
+                                 "tenants": {"tokens_per_minute": {"agents": 40000}}}}
     headline = ('max_calls_per_task', 'max_tokens_per_task', 'other_tenant_ttft_p95_s')
     metrics_doc = [
         Metric("max_calls_per_task", "answered calls of the busiest task", "calls"),
