@@ -1,7 +1,7 @@
 """P7 same replica count, very unequal pressure: round robin balances requests, not KV cache.
 
-Workload (4 replicas, tiny-cpu with 1,024 KV blocks = 16,384 tokens each, time_scale 1): a batch client cycles
-through four request types, one every 0.15 s: L long context (5,000 prompt tokens, 32 output), S short (300
+Workload (4 replicas, tiny-cpu with 3,072 KV blocks = 49,152 tokens each, time_scale 1): a batch client cycles
+through four request types, one every 0.08 s: L long context (5,000 prompt tokens, 32 output), S short (300
 prompt, 16 output), G long generation (400 prompt, 300 output), T tiny (60 prompt, 4 output). Round robin hands
 each replica the same number of requests; with four replicas and a four-step cycle the same replica gets the
 same type (the document's model-01 long contexts, 02 short, 03 long generations, 04 idle). The gateway runs one
@@ -23,7 +23,7 @@ from bench.openloop import Arrival
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd
 
 TYPES = (("long-context", 6000, 48), ("short", 300, 16), ("long-generation", 400, 300), ("tiny", 60, 4))
-PERIOD = 0.15
+PERIOD = 0.08
 SLO_TTFT_S = 1.0
 
 
@@ -33,7 +33,7 @@ class S(Scenario):
     problem = "same replica count, very unequal pressure"
     replicas = 4
     time_scale = 1.0
-    sim_args = ["--num-gpu-blocks", "1024"]
+    sim_args = ["--num-gpu-blocks", "3072"]
     gateway = {"envoy_concurrency": 1}
     sluice_policy = {"admission": {"score_kv_weight": 1.0, "score_waiting_weight": 0.5}}
     headline = ('kv_usage_spread', 'ttft_p95_s')

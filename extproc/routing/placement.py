@@ -10,7 +10,8 @@ A replica fits a request when, with the request added, it stays within every lim
   fresh   its metrics are recent (stale metrics count as saturated)
 Among fitting replicas the lowest score wins:
   score = predicted TTFT / TTFT target + kv_weight x KV fraction after placing + waiting_weight x engine waiting
-          + 1 for each larger lane with a request in flight there (short requests avoid long prefills, P3)
+          + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
+            (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
 """
@@ -49,6 +50,9 @@ class Placer:
             r.lane_inflight = [0] * n_lanes
         self.lane_busy = [0] * n_lanes  # replicas with at least one request of the lane in flight
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
+        # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
+        confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
+        self._confined_above = [[i for i in confined if i > lane] for lane in range(n_lanes)]
         self.last_reasons: dict[str, int] = {}
 
     # ---- estimates -------------------------------------------------------------------------------------
@@ -105,7 +109,7 @@ class Placer:
         s = self.predicted_ttft_s(r, req.prompt_tokens, now) / pol.ttft_target_s
         # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
         # backlog estimate may understate) is the last choice for smaller requests.
-        for bigger in range(lane + 1, len(r.lane_inflight)):
+        for bigger in self._confined_above[lane]:
             if r.lane_inflight[bigger]:
                 s += LANE_PENALTY
         if r.weight < 1.0:
