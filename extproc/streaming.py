@@ -5,7 +5,7 @@ Most requests stay on the cheap response mode (no body events at all); an observ
 response bodies with `mode_override`, which costs sidecar CPU per chunk, hence the sampling.
 
 The `streaming:` policy section:
-    sample_rate: 0.02         # share of requests observed (0..1); any observation turns off header/body
+    sample_rate: 0.0          # share of requests observed (0..1); any observation turns off header/body
                               # pipelining (Envoy ignores mode_override with it): 0 and no metered tenants
                               # saves ~0.1 ms per request
     metered_tenants: []       # tenants whose every request is observed (exact token accounting)
@@ -50,7 +50,7 @@ class SlowConsumerPolicy:
 
 @dataclass
 class StreamingPolicy:
-    sample_rate: float = 0.02
+    sample_rate: float = 0.0
     metered_tenants: list[str] = field(default_factory=list)
     max_buffer_bytes: int = 1 << 20
     slow_consumer: SlowConsumerPolicy = field(default_factory=SlowConsumerPolicy)

@@ -266,7 +266,7 @@ def stream_idle_timeout_s(policy: Policy) -> float:
 
 def observes_responses(policy: Policy) -> bool:
     streaming = policy.streaming or {}
-    return bool(streaming.get("sample_rate", 0.02)) or bool(streaming.get("metered_tenants"))
+    return bool(streaming.get("sample_rate", 0.0)) or bool(streaming.get("metered_tenants"))
 
 
 def _ext_proc_filter(policy: Policy) -> HttpFilter:

@@ -16,7 +16,8 @@ Also `cost_ratio` (prompt tokens per request after / before, from usage), `ttft_
 `ttft_p95_after_s`.
 Reproduced on envoy-rr when ttft_p95_after_s / ttft_p95_before_s >= 3 at unchanged QPS and no system signal
 (detect_s null).
-Sluice knobs: `budgets.prompt_shift` (threshold 0.3, baseline_requests 15, sustain_requests 5).
+Sluice knobs: `budgets.prompt_shift` (threshold 0.3, baseline_requests 15, sustain_requests 5) and
+`streaming.sample_rate: 0.1` (observed responses calibrate the prompt-token estimate the capacity uses).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class S(Scenario):
     time_scale = 1.0
     poll_sidecar = (SHIFT_METRIC, CAPACITY_METRIC)
     sluice_policy = {"budgets": {"prompt_shift": {"enabled": True, "threshold": 0.3, "baseline_requests": 15,
-                                                  "sustain_requests": 5}}}
+                                                  "sustain_requests": 5}},
+                     # observe 10% of responses: their usage calibrates the token estimate behind the capacity
+                     "streaming": {"sample_rate": 0.1}}
     headline = ('detect_s', 'capacity_estimate_error', 'ttft_p95_after_s')
     metrics_doc = [
         Metric("detect_s", "prompt change -> the gateway reports the shift (none: no signal)", "s"),
