@@ -138,12 +138,12 @@ async def test_reload_rerenders_envoy_xds(policy_file: Path, tmp_path: Path):
 
 async def test_restart_only_changes_are_reported(policy_file: Path):
     gw = Gateway(load_policy(policy_file))
-    write_policy(policy_file, {**BASE, "sidecar": {"grpc_port": 50061},
+    write_policy(policy_file, {**BASE, "sidecar": {"grpc_port": 50071},
                                "gateway": {"max_downstream_connections": 500}})
     result = reload_policy(policy_file, gw)
     assert result.ok
     text = "; ".join(result.changes)
-    assert "sidecar.grpc_port changed (50051 -> 50061): takes effect after a restart" in text
+    assert "sidecar.grpc_port changed (50051 -> 50071): takes effect after a restart" in text
     assert "gateway.max_downstream_connections" in text
     assert sample("sluice_policy_max_downstream_connections") == 500
     assert restart_notes(gw.policy, gw.policy) == []
