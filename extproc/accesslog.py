@@ -39,12 +39,14 @@ def classify(entry: al.HTTPAccessLogEntry) -> str | None:
     flags = common.response_flags
     if flags.downstream_connection_termination or flags.downstream_remote_reset:
         return CANCELLED
-    if flags.upstream_request_timeout or flags.stream_idle_timeout or flags.duration_timeout:
+    if (flags.upstream_request_timeout or flags.stream_idle_timeout or flags.duration_timeout
+            or flags.upstream_max_stream_duration_reached):
         return TIMEOUT
     code = entry.response.response_code.value
     if (code >= 500 or code == 0 or flags.upstream_remote_reset or flags.upstream_connection_failure
-            or flags.upstream_connection_termination or flags.no_healthy_upstream or flags.local_reset):
-        return FAILED
+            or flags.upstream_connection_termination or flags.no_healthy_upstream or flags.local_reset
+            or flags.upstream_protocol_error or flags.upstream_overflow or flags.upstream_retry_limit_exceeded):
+        return FAILED  # includes a stream cut mid-response by a crashing replica (UPE after a 200)
     return COMPLETED
 
 

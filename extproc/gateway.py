@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
@@ -35,7 +36,7 @@ from extproc.routing.policy import RoutingPolicy
 from extproc.streaming import DrainWatch, ResponseObserver, Sampler, StreamingPolicy
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
-from extproc.xds import ATTRIBUTE_NAMESPACE, DESTINATION_KEY, POOL_HEADER
+from extproc.xds import DESTINATION_KEY, POOL_HEADER
 
 if TYPE_CHECKING:
     from google.protobuf import struct_pb2
@@ -90,6 +91,7 @@ class Stream:
     charge: Charge | None = None
     tenant_open: str | None = None  # tenant whose open-stream slot this stream holds
     counted_open: bool = False  # holds one of the sidecar's open-request slots
+    gauged: bool = False  # counted in the in-flight gauges (reached _forward)
     observer: ResponseObserver | None = None  # set when this response's body is observed
     watch: DrainWatch | None = None  # slow-consumer tracking (streaming.slow_consumer)
     task: asyncio.Task | None = None  # the servicer task, so a slow stream can be cut from outside
@@ -99,12 +101,17 @@ class Stream:
     first_byte: float = 0.0
 
 
+MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
+
+
 def _float(raw: str) -> float | None:
     try:
         value = float(raw)
     except ValueError:
         return None
-    return value if value > 0 else None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return min(value, MAX_DEADLINE_S * 1000)
 
 
 def _int(raw: str, default: int = 0) -> int:
@@ -142,7 +149,7 @@ def _set_authorization(head: Head, text: str) -> None:
     head.api_key = text[7:] if text[:7].lower() == "bearer " else text
 
 
-# One reader per header the sidecar asks Envoy for (xds.HEADER_ATTRIBUTES); the key is the header name.
+# One reader per header the sidecar reads; the key is the header name.
 _HEADER_READERS = {
     "x-stainless-retry-count": _set_retry_count,
     "x-stainless-read-timeout": _set_timeout,
@@ -353,12 +360,11 @@ class Gateway:
             if sched.queued_total():
                 sched.kick()
 
-    # ---- request head, from the CEL attributes that come with the body ------------------------------------
-    def on_request_headers(self, st: Stream, msg: pb.HttpHeaders,
-                           attributes: Mapping[str, struct_pb2.Struct]) -> pb.ProcessingResponse:
-        """Note the head (from the attributes Envoy sends with this first message) and wait for the body."""
+    # ---- request head ------------------------------------------------------------------------------------
+    def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """Note the head and wait for the body (Envoy pipelines it right behind)."""
         st.start = time.monotonic()
-        st.head = head = self.read_head(attributes)
+        st.head = head = self.read_head(msg.headers.headers)
         if msg.end_of_stream:  # no body: nothing to govern, and nothing a replica could serve
             return self._reject(st, R.immediate(400, "request body is required", "missing_body"))
         if self.sampler.active and self.sampler.observe(head.tenant):
@@ -368,19 +374,20 @@ class Gateway:
         return R.CONTINUE_REQUEST_HEADERS
 
     @staticmethod
-    def read_head(attributes: Mapping[str, struct_pb2.Struct]) -> Head:
+    def read_head(headers: "Iterable[HeaderValue]") -> Head:  # noqa: F821
+        """The few headers the sidecar reads, from their raw bytes (latin-1 never fails: a client's stray
+        non-UTF-8 byte must not break the ext_proc message or the request's governance)."""
         head = Head()
-        attrs = attributes.get(ATTRIBUTE_NAMESPACE)
-        if attrs is None:
-            return head
-        for key, value in attrs.fields.items():
-            text = value.string_value
-            if key == "request.path":
-                head.path = text.split("?", 1)[0]
-            elif key == "request.id":
-                head.request_id = text
+        for h in headers:
+            key = h.key
+            if key == ":path":
+                head.path = h.raw_value.decode("latin-1").split("?", 1)[0]
+            elif key == "x-request-id":
+                head.request_id = h.raw_value.decode("latin-1")
             else:
-                _HEADER_READERS[key[17:-2]](head, text)  # "request.headers['x-…']" -> "x-…"
+                reader = _HEADER_READERS.get(key)
+                if reader is not None:
+                    reader(head, h.raw_value.decode("latin-1"))
         return head
 
     # ---- request body: the decision --------------------------------------------------------------------
@@ -484,10 +491,11 @@ class Gateway:
         primary = placement.replica
         self._gauges(primary)[0].inc()
         self._gauges(primary)[1].inc(req.total_tokens)
+        st.gauged = True
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
-            remaining = req.client_timeout_s - (time.monotonic() - req.arrival)
+            remaining = min(req.client_timeout_s, MAX_DEADLINE_S) - (time.monotonic() - req.arrival)
             timeout_ms = max(1, int(remaining * 1000))
         pin_str = ",".join(r.address for r in placement.pins)
         if st.observer is not None:
@@ -590,9 +598,11 @@ class Gateway:
                 placement.owner.release(placement, req)
             else:
                 replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)
-            gauges = self._gauges(replica)
-            gauges[0].dec()
-            gauges[1].dec(req.total_tokens)
+            if st.gauged:
+                gauges = self._gauges(replica)
+                gauges[0].dec()
+                gauges[1].dec(req.total_tokens)
+                st.gauged = False
             if st.status >= 500:
                 replica.errors_total += 1
             st.placement = None

@@ -57,7 +57,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         answer = await gw.wait(st)
                     yield answer
                 elif kind == "request_headers":
-                    yield gw.on_request_headers(st, msg.request_headers, msg.attributes)
+                    yield gw.on_request_headers(st, msg.request_headers)
                 elif kind == "response_headers":
                     yield gw.on_response_headers(st, msg.response_headers)
                 elif kind == "response_trailers":

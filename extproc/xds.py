@@ -123,13 +123,6 @@ EXTPROC_STAT_PREFIX = "sluice"
 LISTENER_NAME = "sluice_listener"
 ROUTE_NAME = "sluice_routes"
 HIGH = 1_000_000
-# Request headers the sidecar reads, delivered as CEL attributes with the body (request headers SKIP).
-HEADER_ATTRIBUTES = ("x-stainless-retry-count", "x-stainless-read-timeout", "x-sluice-deadline-ms",
-                     "x-sluice-tenant", "x-sluice-app", "x-sluice-task-id", "x-sluice-task-depth",
-                     "x-sluice-priority", "idempotency-key", "authorization")
-REQUEST_ATTRIBUTES = ("request.path", "request.id",
-                      *(f"request.headers['{h}']" for h in HEADER_ATTRIBUTES))
-ATTRIBUTE_NAMESPACE = "envoy.filters.http.ext_proc"
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")  # circuit-breaker ceilings: Envoy's defaults (1,024) turn held requests into 500s (P12)
 
 
@@ -269,6 +262,20 @@ def observes_responses(policy: Policy) -> bool:
     return bool(streaming.get("sample_rate", 0.0)) or bool(streaming.get("metered_tenants"))
 
 
+def _strip_gateway_headers() -> HttpFilter:
+    """Client-sent copies of the headers only the gateway may set are removed before ext_proc, so even with the
+    sidecar down (failure_mode_allow) a client cannot pick the pool or the replica."""
+    from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as RuleMutation
+    from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import (
+        HeaderMutation as HeaderMutationFilter,
+        Mutations,
+    )
+
+    cfg = HeaderMutationFilter(mutations=Mutations(request_mutations=[
+        RuleMutation(remove=POOL_HEADER), RuleMutation(remove=DESTINATION_KEY)]))
+    return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=PbAny.pack(cfg))
+
+
 def _ext_proc_filter(policy: Policy) -> HttpFilter:
     send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
     processor = ExternalProcessor(
@@ -276,8 +283,9 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
                                  timeout=_secs(5)),
         failure_mode_allow=policy.sidecar.failure_mode_allow,
         # Request headers must be SENT: with SKIP, Envoy passes them straight to the router, which picks a host
-        # before the body (and so the sidecar's pin) arrives. The few headers the sidecar reads come as CEL
-        # attributes with that first message. Response headers are skipped (the access log reports status and
+        # before the body (and so the sidecar's pin) arrives. (CEL request_attributes are not used: a header byte
+        # that is not UTF-8 makes the attribute an invalid protobuf string and the whole message undecodable.)
+        # Response headers are skipped (the access log reports status and
         # timing), but trailers SEND keeps the stream open until the request ends, so the stream's close is
         # the moment every slot is released.
         processing_mode=ProcessingMode(
@@ -288,7 +296,6 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
             response_body_mode=ProcessingModeBodySendMode.NONE,
             response_trailer_mode=send,
         ),
-        request_attributes=list(REQUEST_ATTRIBUTES),
         # Pipeline the buffered body right behind the headers: one round trip of latency instead of two. Envoy
         # then ignores mode_override, so it is off when responses are observed (streaming.sample_rate /
         # metered_tenants), which needs the override in the answer to the headers.
@@ -437,6 +444,7 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
     gw = policy.gateway
     filters = []
     if mode == "sluice":
+        filters.append(_strip_gateway_headers())
         filters.append(_ext_proc_filter(policy))
     filters.append(HttpFilter(name="envoy.filters.http.router", typed_config=PbAny.pack(Router())))
     hcm = HttpConnectionManager(

@@ -47,8 +47,13 @@ class Placer:
         for r in pool.replicas:
             if not r.kv_capacity_tokens and policy.kv_capacity_tokens:
                 r.kv_capacity_tokens = policy.kv_capacity_tokens
-            r.lane_inflight = [0] * n_lanes
-        self.lane_busy = [0] * n_lanes  # replicas with at least one request of the lane in flight
+            if len(r.lane_inflight) != n_lanes:  # a reload keeps the counts of requests still in flight
+                r.lane_inflight = [0] * n_lanes
+        # Replicas with at least one request of the lane in flight. Kept on the Pool, so the placer of a reload and
+        # the one that placed requests still in flight count the same releases.
+        # Recounted from the pool's current replicas (a reload may have removed some).
+        pool.lane_busy[:] = [sum(1 for r in pool.replicas if r.lane_inflight[i] > 0) for i in range(n_lanes)]
+        self.lane_busy = pool.lane_busy
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
@@ -101,7 +106,7 @@ class Placer:
     def _lane_replica_cap(self, lane: int) -> int:
         share = self.policy.lanes[lane].max_replica_share
         if share >= 1:
-            return len(self.pool.replicas)
+            return 1 << 30  # not confined
         return max(1, int(share * len(self.pool.replicas)))
 
     def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0) -> float:
@@ -165,5 +170,5 @@ class Placer:
     def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int) -> None:
         r.release(req.total_tokens, req.prompt_tokens, epoch)
         r.lane_inflight[lane] -= 1
-        if r.lane_inflight[lane] == 0:
+        if r.lane_inflight[lane] == 0 and self.lane_busy[lane] > 0:
             self.lane_busy[lane] -= 1

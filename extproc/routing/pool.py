@@ -123,6 +123,7 @@ class Pool:
     cluster: str
     replicas: list[Replica] = field(default_factory=list)
     metrics_style: str = "vllm"
+    lane_busy: list[int] = field(default_factory=list)  # per lane: replicas with a request of it in flight
 
     @classmethod
     def from_config(cls, cfg: PoolConfig) -> "Pool":
