@@ -405,13 +405,33 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
     too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
         op=ComparisonFilterOp.EQ, value=RuntimeUInt32(default_value=413, runtime_key="sluice.local_reply.413"))))
     any_flag = AccessLogFilter(response_flag_filter=ResponseFlagFilter())
+    sidecar_down = _cel("response.code_details.startsWith('ext_proc_error')")
+    # Every other error Envoy itself produces (431 headers too large, ...): not the sidecar's own answers (details
+    # sluice_*, already JSON) and not the direct responses (/v1/models, the JSON 404).
+    other_errors = _cel("response.code >= 400 && !response.code_details.startsWith('sluice_')"
+                        " && response.code_details != 'direct_response'")
+    retry_after = HeaderValueOption(header=HeaderValue(key="retry-after", value="1"))
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=too_large, body_format_override=_json_error(
             f"request body exceeds the gateway limit of {policy.limits.max_body_bytes} bytes",
             "invalid_request_error", "request_too_large")),
+        ResponseMapper(filter=sidecar_down, headers_to_add=[retry_after], body_format_override=_json_error(
+            "the gateway's decision service is unavailable; retry shortly", "service_unavailable",
+            "sidecar_unavailable")),
         ResponseMapper(filter=any_flag, body_format_override=_json_error(
             "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "upstream_error", "%RESPONSE_FLAGS%")),
+        ResponseMapper(filter=other_errors, body_format_override=_json_error(
+            "%LOCAL_REPLY_BODY%", "gateway_error", "%RESPONSE_CODE_DETAILS%")),
     ])
+
+
+def _cel(expression: str) -> AccessLogFilter:
+    from envoy_data_plane.envoy.config.accesslog.v3 import ExtensionFilter
+    from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import ExpressionFilter
+
+    return AccessLogFilter(extension_filter=ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=PbAny.pack(ExpressionFilter(expression=expression))))
 
 
 ACCESS_LOG_NAME = "sluice"
