@@ -44,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     policy = _load(args.config)
     try:
-        _run_async(serve(policy, worker=args.worker))
+        _run_async(serve(policy, worker=args.worker, xds_out=args.xds_out))
     except OSError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
@@ -98,7 +98,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from extproc.supervisor import Stack, StartupError
 
     policy = _load(args.config)
-    stack = Stack(policy, run_dir=Path(args.run_dir), mode=args.mode)
+    # The sidecar watches the user's own policy file: editing it (or SIGHUP) reloads the policy and Envoy's xDS.
+    stack = Stack(policy, run_dir=Path(args.run_dir), mode=args.mode,
+                  policy_file=Path(args.config) if args.config else default_policy_path())
     stopping = {"flag": False}
 
     def _stop(_sig: int, _frame: object) -> None:
@@ -183,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
     p = with_config(sub.add_parser("serve", help="run the ext_proc sidecar"))
     p.add_argument("--worker", type=int, default=0, help="worker index (ports = base + index)")
+    p.add_argument("--xds-out", default=None,
+                   help="on a policy reload, also re-render Envoy's xDS files into this directory (the one Envoy "
+                        "watches); `sluice up` passes its own")
     p.set_defaults(func=cmd_serve)
     p = with_config(sub.add_parser("render", help="write Envoy bootstrap + xDS files"))
     p.add_argument("--out", default="envoy", help="output directory (default envoy/)")

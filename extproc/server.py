@@ -113,7 +113,7 @@ def _start_scraper(gateway: Gateway) -> Scraper | None:
     return scraper
 
 
-async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
+async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
     """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit."""
     gateway = Gateway(policy)
     sc = policy.sidecar
@@ -143,7 +143,9 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0) -> None:
     await site.start()
     # Operations: the policy watcher (file change + SIGHUP) and the admin API, on loopback.
     note_policy(policy)
-    watcher = PolicyWatcher(policy.source, gateway) if Path(policy.source).is_file() else None
+    # With xds_out (worker 0 only), a reload also re-renders the Envoy files there: replica changes reach Envoy.
+    watcher = (PolicyWatcher(policy.source, gateway, xds_out=xds_out if worker == 0 else None)
+               if Path(policy.source).is_file() else None)
     if watcher is not None:
         await watcher.start(sighup=True)
     admin = await start_admin_server(gateway, "127.0.0.1", sc.admin_port + worker, policy.source,

@@ -113,6 +113,7 @@ class Stack:
     sim_args: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     sim_admin_ports: dict[str, int] = field(default_factory=dict)  # replica address -> simulator admin port
+    policy_file: Path | None = None  # the user's policy file (sluice up): watched for reloads; else a run copy
 
     @property
     def base_url(self) -> str:
@@ -169,9 +170,10 @@ class Stack:
             children.append(Child(f"sim {addr}", argv, logs / f"sim-{port}.log", f"http://{addr}/health"))
         if self.mode == "sluice":
             sc = self.policy.sidecar
-            policy_file = self.run_dir / "policy.yaml"
+            policy_file = self.policy_file.resolve() if self.policy_file else self.run_dir / "policy.yaml"
             for w in range(sc.workers):
-                argv = [py, "-m", "extproc.cli", "serve", "--config", str(policy_file), "--worker", str(w)]
+                argv = [py, "-m", "extproc.cli", "serve", "--config", str(policy_file), "--worker", str(w),
+                        "--xds-out", str((self.run_dir / "envoy").resolve())]
                 children.append(Child(f"sidecar[{w}]", argv, logs / f"sidecar-{w}.log",
                                       f"http://{sc.metrics_host}:{sc.metrics_port + w}/ready"))
         gw = self.policy.gateway
