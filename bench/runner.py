@@ -95,15 +95,17 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
     redis = redis_url = None
     if getattr(sc, "redis", False) and system == "sluice":
         redis, redis_url = start_redis(run_dir)
-    stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url)
     try:
+        stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url)
         stack.start()
         if redis is not None:
             stack.children.append(redis)  # stopped with the stack
         return stack, notes
-    except StartupError as exc:
+    except BaseException as exc:
         if redis is not None:
             redis.stop()
+        if not isinstance(exc, StartupError):
+            raise
         if system != "sluice" or not sc.sluice_policy:
             raise
         first = str(exc).splitlines()[-1][:300] if str(exc) else "startup error"

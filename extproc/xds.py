@@ -262,18 +262,17 @@ def observes_responses(policy: Policy) -> bool:
     return bool(streaming.get("sample_rate", 0.0)) or bool(streaming.get("metered_tenants"))
 
 
-def _strip_gateway_headers() -> HttpFilter:
-    """Client-sent copies of the headers only the gateway may set are removed before ext_proc, so even with the
-    sidecar down (failure_mode_allow) a client cannot pick the pool or the replica."""
+def _strip_gateway_headers() -> TypedExtensionConfig:
+    """Client-sent copies of the headers only the gateway may set are removed before the route is chosen (early
+    header mutation), so even with the sidecar down (failure_mode_allow) a client cannot pick the pool or the
+    replica."""
     from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation as RuleMutation
-    from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import (
-        HeaderMutation as HeaderMutationFilter,
-        Mutations,
+    from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+        HeaderMutation as EarlyHeaderMutation,
     )
 
-    cfg = HeaderMutationFilter(mutations=Mutations(request_mutations=[
-        RuleMutation(remove=POOL_HEADER), RuleMutation(remove=DESTINATION_KEY)]))
-    return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=PbAny.pack(cfg))
+    cfg = EarlyHeaderMutation(mutations=[RuleMutation(remove=POOL_HEADER), RuleMutation(remove=DESTINATION_KEY)])
+    return _typed("envoy.http.early_header_mutation.header_mutation", cfg)
 
 
 def _ext_proc_filter(policy: Policy) -> HttpFilter:
@@ -464,7 +463,6 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
     gw = policy.gateway
     filters = []
     if mode == "sluice":
-        filters.append(_strip_gateway_headers())
         filters.append(_ext_proc_filter(policy))
     filters.append(HttpFilter(name="envoy.filters.http.router", typed_config=PbAny.pack(Router())))
     hcm = HttpConnectionManager(
@@ -472,6 +470,7 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
         codec_type=HttpConnectionManagerCodecType.AUTO,
         route_config=render_route_config(policy, mode),
         local_reply_config=render_local_reply(policy),
+        early_header_mutation_extensions=[_strip_gateway_headers()] if mode == "sluice" else [],
         access_log=[_grpc_access_log(policy)] if mode == "sluice" else [],
         access_log_options=_access_log_options(policy) if mode == "sluice" else None,
 

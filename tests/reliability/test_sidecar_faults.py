@@ -175,11 +175,6 @@ def test_fail_open_non_utf8_header_does_not_bypass_auth(open_stack: Stack) -> No
     assert_openai_error(resp, 401, "invalid_api_key")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (bug 5, partly fixed): the header_mutation HTTP filter now removes a "
-                   "client's x-sluice-pool, but Envoy has already chosen (and cached) the pinned route from it, whose "
-                   "cluster_header is then missing: with the sidecar down (failure_mode_allow) the client gets 503 "
-                   "NC instead of unpinned service. Removing it in the HCM's early_header_mutation_extensions (before "
-                   "route selection) gives 200, verified on Envoy 1.40 here")
 def test_fail_open_client_pool_header_ignored_while_sidecar_down(open_stack: Stack) -> None:
     """While the sidecar is down (failure_mode_allow), a client-sent x-sluice-pool must neither pick the Envoy
     cluster nor break the request: it is served unpinned like any other."""

@@ -60,8 +60,9 @@ def test_render_sluice_mode_pins_through_override_host(tmp_path):
     assert clusters["pool-m"]["per_connection_buffer_limit_bytes"] == 65536
     hcm = _resources(paths["lds"])[0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    ext = hcm["http_filters"][1]["typed_config"]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert hcm["early_header_mutation_extensions"][0]["name"] == "envoy.http.early_header_mutation.header_mutation"
+    ext = hcm["http_filters"][0]["typed_config"]
     assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == [LB_NAMESPACE]
     assert ext["processing_mode"]["request_body_mode"] == "BUFFERED"
     boot = yaml.safe_load(paths["bootstrap"].read_text())
