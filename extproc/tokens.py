@@ -15,8 +15,8 @@ class TokenEstimator(Protocol):
 
 
 class HeuristicEstimator:
-    """About 4 bytes of English per token (the BPE rule of thumb), plus one per whitespace-separated word
-    fragment beyond that: CJK text and code tokenize denser than prose, and byte length captures that."""
+    """About 4 bytes of ASCII text per token (the BPE rule of thumb); non-ASCII text (CJK, accents) is counted by
+    UTF-8 bytes with a density factor, since it tokenizes denser than English prose."""
 
     def __init__(self, bytes_per_token: float = 4.0) -> None:
         self._inv = 1.0 / bytes_per_token

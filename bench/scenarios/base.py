@@ -140,8 +140,7 @@ class RunData:
 # ---- small numeric helpers ------------------------------------------------------------------------------------
 def pct(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (the smallest value with at least q % of the data at or below it); None for no
-    data (the report shows "none"). `bench.loadgen.percentile` rounds half to even and lands one rank high for
-    some sizes (p95 of 1..100 gives 96), so the scenarios use this one."""
+    data (the report shows "none"); `bench.loadgen.percentile` is the same rule with NaN for no data."""
     if not values:
         return None
     ordered = sorted(values)

@@ -17,3 +17,11 @@ def test_bars_judge_met_not_met_and_missing():
     assert verdicts[("P1", "sluice shed_latency_p99_s <= 0.05")] is None  # not run
     text = table({**results, "_meta": {"command": "c", "commit": "x"}})
     assert "**not met**" in text and "| P3 |" in text
+
+
+def test_loadgen_percentile_is_nearest_rank():
+    from bench.loadgen import percentile
+
+    data = list(range(1, 101))
+    assert percentile(data, 95) == 95 and percentile(data, 50) == 50 and percentile(data, 100) == 100
+    assert percentile([7.0], 99) == 7.0
