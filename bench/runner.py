@@ -505,7 +505,7 @@ def main(argv: list[str]) -> int:
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)
-    print(f"\nreproduced on envoy-rr: " + ", ".join(
+    print("\nreproduced on envoy-rr: " + ", ".join(
         f"{k}={'yes' if v else ('not run' if v is None else 'no')}" for k, v in meta["reproduced"].items()))
     print(f"total wall time: {meta['wall_s']} s")
     return 0

@@ -20,8 +20,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extproc.config import Policy, PolicyError, default_policy_path, load_policy
+
+if TYPE_CHECKING:
+    from extproc.supervisor import Stack
 
 
 def _load(path: str | None) -> Policy:
@@ -133,7 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _banner(stack: "Stack", model: str) -> str:  # type: ignore[name-defined]
+def _banner(stack: Stack, model: str) -> str:
     base = stack.base_url
     lines = [
         "sluice is up",

@@ -16,8 +16,9 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable
 
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import metrics as m
@@ -36,11 +37,9 @@ from extproc.routing.policy import RoutingPolicy
 from extproc.streaming import DrainWatch, ResponseObserver, Sampler, StreamingPolicy
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
-from extproc.xds import DESTINATION_KEY, POOL_HEADER
+from extproc.xds import DESTINATION_KEY
 
 if TYPE_CHECKING:
-    from google.protobuf import struct_pb2
-
     from extproc.accesslog import AccessLogReceiver
 
 log = logging.getLogger("sluice.gateway")
@@ -98,7 +97,6 @@ class Stream:
     cut: bool = False
     budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
-    first_byte: float = 0.0
 
 
 MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
@@ -175,6 +173,7 @@ class Gateway:
         self.max_body = lim.max_body_bytes
         self.default_output = lim.default_output_tokens
         self.admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
+        self._is_fresh: Callable[[Replica, float], bool] | None = None  # set when a scraper runs
         self.routing = RoutingPolicy.from_dict(policy.routing)
         self.health = {name: HealthTracker(pool, self.routing.health) for name, pool in self.pools.items()}
         self.placers = {name: self._placer(pool) for name, pool in self.pools.items()}
@@ -307,9 +306,7 @@ class Gateway:
             placer.allow_probe = self.health[pool.model].allow_probe
         return placer
 
-    _is_fresh: "Callable[[Replica, float], bool] | None" = None  # noqa: F821
-
-    def set_freshness(self, is_fresh: "Callable[[Replica, float], bool]") -> None:  # noqa: F821
+    def set_freshness(self, is_fresh: Callable[[Replica, float], bool]) -> None:
         """With a scraper running, replicas whose metrics are stale count as saturated."""
         self._is_fresh = is_fresh
         for placer in self.placers.values():
@@ -374,7 +371,7 @@ class Gateway:
         return R.CONTINUE_REQUEST_HEADERS
 
     @staticmethod
-    def read_head(headers: "Iterable[HeaderValue]") -> Head:  # noqa: F821
+    def read_head(headers: Iterable[base_pb2.HeaderValue]) -> Head:
         """The few headers the sidecar reads, from their raw bytes (latin-1 never fails: a client's stray
         non-UTF-8 byte must not break the ext_proc message or the request's governance)."""
         head = Head()
@@ -540,7 +537,6 @@ class Gateway:
                 st.status = _int(h.raw_value.decode("latin-1"))
             elif h.key == "content-type":
                 content_type = h.raw_value.decode("latin-1")
-        st.first_byte = time.monotonic()
         if st.observer is not None:
             st.observer.on_headers(st.status, content_type)
         if st.state == FORWARDED:

@@ -37,12 +37,6 @@ DECISION_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
 OPEN_STREAMS = Gauge("sluice_open_streams", "ext_proc streams currently open (one per HTTP request in Envoy).")
-PROMPT_TOKENS = Counter(
-    "sluice_prompt_tokens_estimated_total", "Estimated prompt tokens of forwarded requests.", ["pool"]
-)
-UPSTREAM_STATUS = Counter(
-    "sluice_upstream_responses_total", "Response status classes seen from replicas.", ["pool", "replica", "class"]
-)
 READY = Gauge("sluice_ready", "1 when the sidecar is serving, 0 while starting or draining.")
 TENANT_OPEN_STREAMS = Gauge(
     "sluice_tenant_open_streams", "Requests of a tenant open in this sidecar (queued or forwarded); tenants past "

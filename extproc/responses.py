@@ -19,7 +19,6 @@ from extproc.streaming import OBSERVE_MODE
 from extproc.xds import DESTINATION_KEY, LB_NAMESPACE, POOL_HEADER
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 # Continue, and switch this request's response to observed mode (see streaming.py).
 CONTINUE_REQUEST_HEADERS_OBSERVED = pb.ProcessingResponse(request_headers=pb.HeadersResponse(),
                                                           mode_override=OBSERVE_MODE)
@@ -75,16 +74,6 @@ def immediate(status: int, message: str, code: str, *, err_type: str | None = No
     ))
 
 
-def json_response(status: int, payload: object) -> pb.ProcessingResponse:
-    """A successful answer from the sidecar itself (e.g. GET /v1/models)."""
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),
-        headers=pb.HeaderMutation(set_headers=[_JSON_CT]),
-        body=orjson.dumps(payload),
-        details="sluice_local",
-    ))
-
-
 @lru_cache(maxsize=4096)
 def pin_metadata(pins: str) -> struct_pb2.Struct:
     """`{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port"}}`, cached per pin list
@@ -100,8 +89,8 @@ def _pool_header(cluster: str) -> base_pb2.HeaderValueOption:
 
 
 def forward(cluster: str, pins: str, *, upstream_timeout_ms: int | None = None,
-            remove_headers: list[str] | None = None, extra_headers: list[base_pb2.HeaderValueOption] | None = None,
-            at_headers: bool = False) -> pb.ProcessingResponse:
+            remove_headers: list[str] | None = None,
+            extra_headers: list[base_pb2.HeaderValueOption] | None = None) -> pb.ProcessingResponse:
     """Let the request through, pinned: the pool header selects the cluster (route cache cleared so the route
     is chosen again), the dynamic metadata gives override_host the ordered replica list."""
     mutation = pb.HeaderMutation(set_headers=[_pool_header(cluster)])
@@ -112,10 +101,7 @@ def forward(cluster: str, pins: str, *, upstream_timeout_ms: int | None = None,
     if remove_headers:
         mutation.remove_headers.extend(remove_headers)
     common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-    if at_headers:
-        resp = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
-    else:
-        resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
     resp.dynamic_metadata.CopyFrom(pin_metadata(pins))
     return resp
 

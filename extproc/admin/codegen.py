@@ -10,7 +10,6 @@ directory and fails when the checked-in files differ (version banners aside).
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path

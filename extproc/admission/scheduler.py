@@ -14,7 +14,6 @@ All of it is synchronous bookkeeping on the event loop; the only await is the he
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -283,6 +282,3 @@ class Scheduler:
     def queued_total(self) -> int:
         return sum(q.size for q in self.queues)
 
-
-def ceil_ms(seconds: float) -> int:
-    return int(math.ceil(seconds * 1000))
