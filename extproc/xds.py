@@ -280,7 +280,11 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
     processor = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
                                  timeout=_secs(5)),
-        failure_mode_allow=policy.sidecar.failure_mode_allow,
+        # Always allow at Envoy's level: an ext_proc failure then never touches a response in flight (a sidecar
+        # crash used to reset every running stream, since trailers SEND keeps each ext_proc stream open). The
+        # policy's fail-closed/fail-open choice is made by the route table instead (render_route_config): a
+        # request the sidecar did not pin (no x-sluice-pool) gets a JSON 503, or is served unpinned (fail-open).
+        failure_mode_allow=True,
         # Request headers must be SENT: with SKIP, Envoy passes them straight to the router, which picks a host
         # before the body (and so the sidecar's pin) arrives. (CEL request_attributes are not used: a header byte
         # that is not UTF-8 makes the attribute an invalid protobuf string and the whole message undecodable.)
@@ -357,6 +361,31 @@ def models_payload(policy: Policy) -> dict[str, Any]:
                                        for p in policy.pools]}
 
 
+SIDECAR_UNAVAILABLE = {"error": {
+    "message": "the gateway's decision service is unavailable; retry shortly",
+    "type": "service_unavailable", "param": None, "code": "sidecar_unavailable"}}
+
+
+def _wrong_content_type_route(path: str) -> Route:
+    """A body that says it is not JSON (text/plain, form-encoded ...) is refused by Envoy with a JSON 415 before it
+    is buffered or reaches the sidecar: vLLM would answer FastAPI's 422 in a non-OpenAI shape. A missing
+    content-type is accepted, as vLLM does."""
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+
+    json_ct = StringMatcher(prefix="application/json", ignore_case=True)
+    return Route(
+        name=f"wrong-content-type{path}",
+        match=RouteMatch(path=path, headers=[
+            HeaderMatcher(name="content-type", present_match=True),
+            HeaderMatcher(name="content-type", string_match=json_ct, invert_match=True)]),
+        direct_response=_direct_json(415, {"error": {
+            "message": "request bodies must be JSON: send content-type: application/json",
+            "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}}),
+        typed_per_filter_config=_no_ext_proc(),
+        response_headers_to_add=[HeaderValueOption(header=HeaderValue(key="content-type",
+                                                                      value="application/json"))])
+
+
 def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
     """sluice mode: inference paths go through the sidecar (which sets the pool header); /v1/models is answered
     by Envoy from the policy; anything else is a JSON 404 without bothering the sidecar or a replica."""
@@ -364,14 +393,21 @@ def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
     json_ct = [HeaderValueOption(header=HeaderValue(key="content-type", value="application/json"))]
     if mode == "sluice":
         for path in INFERENCE_PATHS:
-            routes.append(Route(
-                name=f"pinned{path}",
-                match=RouteMatch(path=path, headers=[HeaderMatcher(name=POOL_HEADER, present_match=True)]),
-                route=_route_action(policy, mode, None),
-            ))
-        for path in INFERENCE_PATHS:  # sidecar unreachable with failure_mode_allow: unpinned, default pool
-            routes.append(Route(name=f"unpinned{path}", match=RouteMatch(path=path),
-                                route=_route_action(policy, mode, policy.default_pool.cluster)))
+            routes.append(_wrong_content_type_route(path))
+        fail_open = policy.sidecar.failure_mode_allow
+        for path in INFERENCE_PATHS:
+            # Fail-closed (default): every inference request takes this route; one the sidecar did not pin (it was
+            # unreachable; Envoy's ext_proc always fails open at its level) has no pool header, and Envoy answers
+            # 503 cluster_not_found, mapped to the JSON `sidecar_unavailable` in render_local_reply. (A direct-response
+            # route would not do: the first route a request matches sets its body buffer limit, and a direct
+            # response carries none, so prompts over 64 KiB got 413.)
+            pinned = [HeaderMatcher(name=POOL_HEADER, present_match=True)] if fail_open else []
+            routes.append(Route(name=f"pinned{path}", match=RouteMatch(path=path, headers=pinned),
+                                route=_route_action(policy, mode, None)))
+        if fail_open:
+            for path in INFERENCE_PATHS:  # the sidecar was unreachable: unpinned, default pool
+                routes.append(Route(name=f"unpinned{path}", match=RouteMatch(path=path),
+                                    route=_route_action(policy, mode, policy.default_pool.cluster)))
         routes.append(Route(name="models", match=RouteMatch(path="/v1/models"),
                             direct_response=_direct_json(200, models_payload(policy)),
                             typed_per_filter_config=_no_ext_proc(), response_headers_to_add=json_ct))
@@ -404,7 +440,9 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
     too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
         op=ComparisonFilterOp.EQ, value=RuntimeUInt32(default_value=413, runtime_key="sluice.local_reply.413"))))
     any_flag = AccessLogFilter(response_flag_filter=ResponseFlagFilter())
-    sidecar_down = _cel("response.code_details.startsWith('ext_proc_error')")
+    # The sidecar unreachable: ext_proc errors, or (fail-closed) a request it did not pin reaching the pinned route.
+    sidecar_down = _cel("response.code_details.startsWith('ext_proc_error')"
+                        " || response.code_details == 'cluster_not_found'")
     # Every other error Envoy itself produces (431 headers too large, ...): not the sidecar's own answers (details
     # sluice_*, already JSON) and not the direct responses (/v1/models, the JSON 404).
     other_errors = _cel("response.code >= 400 && !response.code_details.startsWith('sluice_')"
@@ -415,8 +453,7 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
             f"request body exceeds the gateway limit of {policy.limits.max_body_bytes} bytes",
             "invalid_request_error", "request_too_large")),
         ResponseMapper(filter=sidecar_down, headers_to_add=[retry_after], body_format_override=_json_error(
-            "the gateway's decision service is unavailable; retry shortly", "service_unavailable",
-            "sidecar_unavailable")),
+            SIDECAR_UNAVAILABLE["error"]["message"], "service_unavailable", "sidecar_unavailable")),
         ResponseMapper(filter=any_flag, body_format_override=_json_error(
             "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)", "upstream_error", "%RESPONSE_FLAGS%")),
         ResponseMapper(filter=other_errors, body_format_override=_json_error(

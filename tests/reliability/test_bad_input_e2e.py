@@ -13,6 +13,7 @@ import pytest
 from extproc.supervisor import Stack
 
 from .conftest import (MODEL, assert_openai_error, assert_settled, chat, metric_sum, raw_http, running_stack,
+                       sim_metric,
                        scrape)
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
@@ -63,7 +64,7 @@ CASES: dict[str, tuple] = {
                       "invalid_json"),
     "binary_garbage": (CHAT, bytes(range(256)) * 4, {}, 400, "invalid_json"),
     "form_content_type": (CHAT, b"model=sim-model&messages=hi",
-                          {"content-type": "application/x-www-form-urlencoded"}, 400, "invalid_json"),
+                          {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
     "empty_body": (CHAT, b"", {}, 400, "missing_body"),
     "whitespace_body": (CHAT, b" \r\n\t ", {}, 400, "invalid_json"),
     "json_null": (CHAT, b"null", {}, 400, "invalid_json"),
@@ -121,12 +122,22 @@ def test_bad_input_gets_4xx_json(http: httpx.Client, name: str) -> None:
 
 
 # ---- bad input that got (or gets) the wrong answer: bugs, see docs/reliability.md -------------------------
-@pytest.mark.xfail(strict=True, reason="BUG: content-type is never checked: a valid JSON body sent as text/plain is "
-                   "forwarded (200 from the simulator; a real vLLM answers FastAPI's 422 in a non-OpenAI shape). "
-                   "The sidecar does not read the content-type header (gateway._HEADER_READERS)")
-def test_wrong_content_type_is_rejected(http: httpx.Client) -> None:
-    resp = http.post(CHAT, content=_b(chat()), headers={"content-type": "text/plain"})
-    assert_openai_error(resp, (400, 415))
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_wrong_content_type_is_rejected(stack: Stack, http: httpx.Client, content_type: str) -> None:
+    """Regression (bug 11 in docs/reliability.md): a JSON body sent as text/plain used to be forwarded."""
+    before = sum(sim_metric(a, "vllm:request_success_total") for a in stack.policy.default_pool.replicas)
+    resp = http.post(CHAT, content=_b(chat()), headers={"content-type": content_type})
+    assert_openai_error(resp, 415, "unsupported_media_type")
+    assert sum(sim_metric(a, "vllm:request_success_total") for a in stack.policy.default_pool.replicas) == before
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON; charset=utf-8", None])
+def test_json_or_missing_content_type_is_served(http: httpx.Client, content_type: str | None) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    resp = http.post(CHAT, content=_b(chat()), headers=headers)
+    if content_type is None:  # httpx adds none for raw content: vLLM accepts a missing content-type too
+        assert "content-type" not in resp.request.headers
+    assert resp.status_code == 200, (content_type, resp.status_code, resp.text[:200])
 
 
 @pytest.mark.parametrize("header", [b"x-sluice-tenant", b"x-sluice-app", b"x-sluice-task-id", b"authorization",

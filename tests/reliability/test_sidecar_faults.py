@@ -99,11 +99,6 @@ def test_fail_closed_503_is_openai_json_with_retry_after(closed: Stack) -> None:
         restart_child(closed.child("sidecar[0]"))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (design): response_trailer_mode SEND keeps every ext_proc stream open for "
-                   "the whole response, so with failure_mode_allow false a sidecar crash resets EVERY in-flight "
-                   "response (streams cut about 1 s after the kill), although those requests were admitted and "
-                   "pinned. Releasing slots on the access-log entry instead of the ext_proc stream end would let "
-                   "the ext_proc stream close after the request phase")
 def test_inflight_streams_survive_a_sidecar_crash(closed: Stack) -> None:
     running = streams(closed.base_url, 2, max_tokens=400)
     wait_streaming(closed, 2)
