@@ -180,20 +180,24 @@ class Gateway:
         self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
                            for name, pool in self.pools.items()}
         self._pool_by_cluster = {pool.cluster: pool for pool in self.pools.values()}
-        self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
-                               sidecar_count_hint=policy.sidecar.workers)
         self.scraper = None  # set by the server when scraping is on
         self.estimate_ratio: dict[str, float] = {}  # replica-counted / estimated prompt tokens, from observations
         self.open_requests = 0
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
+        self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
+                               sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
         self.streaming = StreamingPolicy.from_dict(policy.streaming)
         self.sampler = Sampler(self.streaming)
         self._tenant_gauges: dict[str, object] = {}
         self.draining = False
         self.access_log: AccessLogReceiver | None = None
         self._replica_gauges: dict[Replica, tuple] = {}
+
+    def _tenant_label(self, tenant: str) -> str:
+        """The bounded tenant label of the current identity policy (it is replaced on reload)."""
+        return self.identity.label(tenant)
 
     def _gauges(self, r: Replica) -> tuple:
         g = self._replica_gauges.get(r)
@@ -251,7 +255,7 @@ class Gateway:
             self._migrate_queue(old_sched, self.schedulers.get(name))
         if budget_policy != self.budgets.policy:
             self.budgets = Budgets(budget_policy, capacity_tokens_per_s=self.capacity_tokens_per_s,
-                                   sidecar_count_hint=policy.sidecar.workers)
+                                   sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
             changes.append("budgets policy replaced")
         return changes or ["no change"]
 

@@ -87,7 +87,7 @@ class Budgets:
 
     def __init__(self, policy: BudgetPolicy | None = None,
                  capacity_tokens_per_s: Callable[[str], float] | None = None,
-                 sidecar_count_hint: int = 1) -> None:
+                 sidecar_count_hint: int = 1, label_tenant: Callable[[str], str] | None = None) -> None:
         self.policy = policy = policy or BudgetPolicy()
         if sidecar_count_hint < 1:
             raise ValueError(f"sidecar_count_hint must be >= 1, got {sidecar_count_hint!r}")
@@ -103,7 +103,7 @@ class Budgets:
         self._memory = self.store if isinstance(self.store, MemoryStore) else None
         self.retry = RetryBudget(policy.retry)
         self.tasks = TaskBudget(policy.tasks)
-        self.tenants = TenantBudget(policy.tenants)
+        self.tenants = TenantBudget(policy.tenants, label=label_tenant) if label_tenant else TenantBudget(policy.tenants)
         self.prompt_shift = PromptShiftTracker(policy.prompt_shift, capacity_tokens_per_s)
         self._tokens = itertools.count(1)
         self._token_prefix = os.urandom(6).hex() + "-"

@@ -11,6 +11,8 @@ request assuming no further traffic (see `wait_s`); `x-should-retry: true` only 
 
 from __future__ import annotations
 
+from typing import Callable
+
 from extproc.budgets import metrics
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.policy import TenantPolicy
@@ -36,10 +38,18 @@ def wait_s(cur: float, prev: float, frac: float, cost: float, limit: float, wind
     return (1.0 - frac) * window_s + max(0.0, g) * window_s
 
 
+def _same(tenant: str) -> str:
+    return tenant
+
+
 class TenantBudget:
-    def __init__(self, policy: TenantPolicy, max_tenants: int = 256) -> None:
+    def __init__(self, policy: TenantPolicy, max_tenants: int = 256,
+                 label: Callable[[str], str] = _same) -> None:
+        """`label` is the gateway's bounded tenant label (`Identity.label`, `tenants.label_tenants`), so these
+        counters name the same tenants as every other tenant metric; `max_tenants` stays as a backstop."""
         self.policy = policy
         self.enabled = policy.enabled
+        self._label = label
         self._tokens = metrics.BoundedLabels(metrics.TENANT_TOKENS, max_tenants)
         self._rejections = metrics.BoundedLabels(metrics.TENANT_REJECTIONS, max_tenants)
 
@@ -53,10 +63,10 @@ class TenantBudget:
         return True
 
     def charged(self, tenant: str, tokens: int) -> None:
-        self._tokens.get(tenant).inc(tokens)
+        self._tokens.get(self._label(tenant)).inc(tokens)
 
     def rejection(self, req: LLMRequest, res: AdmitResult) -> BudgetExceeded:
-        self._rejections.get(req.tenant).inc()
+        self._rejections.get(self._label(req.tenant)).inc()
         configured = self.policy.limit_for(req.tenant)
         cost = req.total_tokens
         wait = wait_s(res.cur, res.prev, res.frac, cost, res.limit)

@@ -83,3 +83,22 @@ async def test_correction_lands_in_the_charged_window(make_budgets) -> None:
     await b.admit(req(450, 450), now=T0 + 90)            # 100 + 900 = 1000 fits
     with pytest.raises(BudgetExceeded):
         await b.admit(req(1, 1), now=T0 + 90)
+
+
+def test_tenant_counters_use_the_gateways_bounded_label() -> None:
+    """Regression: these counters capped at 256 tenants of their own, ignoring `tenants.label_tenants`, so they named
+    tenants the other tenant metrics had collapsed into "other"."""
+    from extproc.budgets.policy import TenantPolicy
+    from extproc.budgets.tenants import TenantBudget
+    from extproc.identity import Identity, TenantPolicy as IdentityPolicy
+
+    identity = Identity(IdentityPolicy.from_dict({"label_tenants": 1}))
+    budget = TenantBudget(TenantPolicy(), label=identity.label)
+    sample = REGISTRY.get_sample_value
+    named = sample("sluice_budget_tenant_tokens_total", {"tenant": "first-labelled"}) or 0
+    other = sample("sluice_budget_tenant_tokens_total", {"tenant": "other"}) or 0
+    budget.charged("first-labelled", 10)
+    budget.charged("second-tenant-xyz", 7)
+    assert sample("sluice_budget_tenant_tokens_total", {"tenant": "first-labelled"}) - named == 10
+    assert sample("sluice_budget_tenant_tokens_total", {"tenant": "other"}) - other == 7
+    assert sample("sluice_budget_tenant_tokens_total", {"tenant": "second-tenant-xyz"}) is None
