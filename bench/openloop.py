@@ -48,6 +48,11 @@ class ClientSpec:
     business_backoff_s: float = 0.0           # fixed wait before a business retry
     send_read_timeout: bool = False           # send x-stainless-read-timeout: timeout_s (as the SDK does)
     honour_retry_after_max_s: float = 60.0    # the SDK ignores retry-after above 60 s
+    # P4: the SDK gives up at timeout_s (recorded as timed out), but a hop between it and the gateway that does
+    # not propagate aborts keeps the connection open and reading for up to linger_s more; content received
+    # then is counted in Record.late_tokens (generated for nobody).
+    linger_s: float | None = None
+    mark_deadline: bool = False               # send x-sim-deadline (unix s): the simulator counts late tokens
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Record:
     body_excerpt: str = ""        # first bytes of an error body
     prompt_tokens: int = 0        # from usage when the stream reports it
     completion_tokens: int = 0
+    late_tokens: int = 0          # content events received after the client's own timeout (ClientSpec.linger_s)
 
     @property
     def ok(self) -> bool:
@@ -177,13 +183,21 @@ def sdk_backoff(rec: Record, sdk_attempt: int, spec: ClientSpec, rng: random.Ran
 
 
 def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
-    """Consume whole SSE events from `buf`, update `rec`; returns the unconsumed tail."""
+    """Consume whole SSE events from `buf`, update `rec`; returns the unconsumed tail.
+
+    After the client's own timeout (a lingering connection) content only counts as `late_tokens`: the answer
+    completing then is not a success and its tokens did not reach anyone who was waiting."""
     while True:
         i = buf.find(b"\n\n")
         if i < 0:
             return buf
         ev, buf = buf[:i], buf[i + 2:]
         if not ev.startswith(b"data:"):
+            continue
+        if rec.timed_out:
+            if not ev.startswith(b"data: [DONE]") and b'"choices":[]' not in ev \
+                    and b'"role":"assistant","content":""' not in ev:
+                rec.late_tokens += 1
             continue
         if ev.startswith(b"data: [DONE]"):
             rec.done = True
@@ -211,6 +225,7 @@ class _Run:
         self.records: list[Record] = []
         self.t0 = time.monotonic()
         self.rng = random.Random(seed)
+        self.lingering: set[asyncio.Task[None]] = set()  # connections kept reading after their client gave up
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -224,6 +239,9 @@ class _Run:
             limit, cancel_reason = spec.cancel_after_s, "cancel"
         else:
             cancel_reason = "timeout"
+        if spec.linger_s is not None and limit is not None and cancel_reason == "timeout":
+            await self._attempt_lingering(rec, body, headers, spec, limit)
+            return
         try:
             async with asyncio.timeout(limit):
                 await self._exchange(rec, body, headers, spec)
@@ -240,6 +258,36 @@ class _Run:
             rec.end = self.now()
             raise
         rec.end = self.now()
+
+    async def _attempt_lingering(self, rec: Record, body: bytes, headers: dict[str, str], spec: ClientSpec,
+                                 limit: float) -> None:
+        """The client gives up at `limit` (timed out, end = then) while the exchange goes on in the background,
+        bounded by `spec.linger_s` and by the run's deadline (`run_open_loop` cancels what is left)."""
+        task = asyncio.create_task(self._read_quietly(rec, body, headers, spec))
+        self.lingering.add(task)
+        task.add_done_callback(self.lingering.discard)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=limit)
+        except asyncio.CancelledError:
+            task.cancel()
+            rec.error = rec.error or "unfinished"
+            rec.end = self.now()
+            raise
+        rec.end = self.now()
+        if done:
+            return
+        rec.timed_out = True
+        rec.error = rec.error or "timeout"
+        asyncio.get_running_loop().call_later(spec.linger_s or 0.0, task.cancel)
+
+    async def _read_quietly(self, rec: Record, body: bytes, headers: dict[str, str], spec: ClientSpec) -> None:
+        """`_exchange` for a lingering client: a connection error before the timeout is the attempt's error;
+        after it, it only ends the linger (e.g. the gateway reset the stream at the deadline)."""
+        try:
+            await self._exchange(rec, body, headers, spec)
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            if not rec.timed_out:
+                rec.error = type(exc).__name__
 
     async def _exchange(self, rec: Record, body: bytes, headers: dict[str, str], spec: ClientSpec) -> None:
         # A slow reader keeps aiohttp's own buffer small too (it pauses the socket past 2x this), so the
@@ -282,6 +330,8 @@ class _Run:
             for sdk_attempt in range(spec.sdk_max_retries + 1):
                 hdrs = dict(base)
                 hdrs["x-stainless-retry-count"] = str(sdk_attempt)
+                if spec.mark_deadline and spec.timeout_s:
+                    hdrs["x-sim-deadline"] = f"{time.time() + spec.timeout_s:.3f}"
                 rec = Record(user=ctx.user, attempt=ctx.attempts, sdk_attempt=sdk_attempt, kind=kind, group=group,
                              sched=ctx.arrival.at)
                 ctx.attempts += 1
@@ -355,6 +405,9 @@ async def run_open_loop(url: str, arrivals: list[Arrival], deadline_s: float, *,
     tasks = [asyncio.create_task(run.run_arrival(i, a)) for i, a in enumerate(sorted(arrivals, key=lambda a: a.at))]
     try:
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline_s - run.now()))
+        if run.lingering:  # lingering connections end with the response, their cap or the run's deadline
+            await asyncio.wait(set(run.lingering), timeout=max(0.0, deadline_s - run.now()))
+        pending |= set(run.lingering)
         for t in pending:
             t.cancel()
         if pending:

@@ -165,7 +165,7 @@ does not export is `none`.
 |---|---|---|---|
 | P1 | `shed_fraction`, `shed_latency_p99_s`, `replica_waiting_max` | bounded queue, early shed (`admission`) | client-side status 429/503, `retry-after(-ms)` |
 | P2, P3, P7, P9 | TTFT, `hol_slowdown`, `kv_usage_spread`, `preemptions` | token-metered admission, lanes, live-load placement, KV headroom | replica `/sim/state` only |
-| P4 | `ghost_tokens` | holding requests in the sidecar's queue; deadlines | request header `x-stainless-read-timeout` (wall seconds); replica `sim_ghost_tokens_total` |
+| P4, P4n | `ghost_tokens` | holding requests in the sidecar's queue; deadlines | request header `x-stainless-read-timeout` (wall seconds); replica `sim_ghost_tokens_total` + `late_tokens` (after the client's `x-sim-deadline`) |
 | P5 | `amplification` | retry budget (`budgets.retry`) | request header `x-stainless-retry-count`; response headers `x-should-retry`, `retry-after-ms` / `retry-after` |
 | P6 | `recollapses`, `time_to_full_s` | health state machine, slow start (`routing.health`) | replica `/sim/state` only |
 | P8 | `detect_s` | business health (`routing.health`) | sidecar gauge `sluice_replica_state{pool,replica,state}` = 1 with state != healthy (or `sluice_replica_healthy{replica}` = 0); envoy-lr: `envoy_cluster_outlier_detection_ejections_active` > 0 |

@@ -205,6 +205,7 @@ def scale_arrivals(arrivals: list[Arrival], time_scale: float) -> list[Arrival]:
         c2 = replace(c,
                      timeout_s=None if c.timeout_s is None else c.timeout_s / time_scale,
                      cancel_after_s=None if c.cancel_after_s is None else c.cancel_after_s / time_scale,
+                     linger_s=None if c.linger_s is None else c.linger_s / time_scale,
                      read_interval_s=c.read_interval_s / time_scale,
                      sdk_backoff_s=c.sdk_backoff_s / time_scale,
                      business_backoff_s=c.business_backoff_s / time_scale)

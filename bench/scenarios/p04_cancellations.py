@@ -1,22 +1,33 @@
 """P4 mass cancellations while the model keeps computing (ghost load).
 
-Workload (2 replicas, tiny-cpu, time_scale 1, every replica started with `--fault no-abort`): the replicas do
-not abort a request when its client goes away, the way a serving stack behaves when the disconnect does not
-reach the engine (a non-propagating hop, an engine that only notices at the end). Requests of 1,500 prompt and
-120 output tokens arrive at 20/s (seeded Poisson), a little above what the pool serves, so queues form. Every
-client has a 3 s deadline (sent as `x-stainless-read-timeout`, as the openai SDK does) and gives up (closes the
-connection) when it passes; one user in five closes the page after 5 tokens.
+Workload (2 replicas, tiny-cpu, time_scale 1; the replicas abort a request when its connection closes, as vLLM
+does): requests of 1,500 prompt and 120 output tokens arrive at 20/s (seeded Poisson), above what the pool
+serves, so queues form. Every client has a 3 s deadline, sent as `x-stainless-read-timeout` as the openai SDK
+does, and gives up when it passes. Three kinds of client, by arrival index:
+  * `waits` (2 in 5): the SDK closes the connection at its deadline;
+  * `lingers` (2 in 5): a business service whose call times out at 3 s, but a hop between it and the gateway
+    does not propagate the abort (a proxy with `proxy_ignore_client_abort`, a connection pool that drains the
+    response) and keeps the connection open and reading until the response ends (capped at 30 s and by the
+    run's end). This is the issue's "the upstream service has a 30 s HTTP timeout, yet vLLM keeps generating";
+  * `leaves` (1 in 5): the user closes the page after 5 tokens.
+A disconnect reaches an aborting replica through any gateway in milliseconds, so the ghost load here is the
+lingering connections': round robin forwards them and the replica generates until the end for nobody.
 
-Envoy propagates a disconnect within milliseconds, but a no-abort replica keeps generating, so what a gateway
-can still save is the work it never sends: requests it holds in its own queue (a client that leaves while held
-costs nothing) and requests whose deadline it knows cannot be met.
+Ghost tokens are counted by the replicas (server side, so nothing a client or gateway reports enters the
+number): `sim_ghost_tokens_total` (generated after the client's connection closed) plus `late_tokens`
+(generated after the client's deadline while its connection was still open; every client sends its absolute
+deadline in `x-sim-deadline`, a benchmark probe only the simulator reads). `late_tokens_received` is the
+client-side cross-check: content the lingering connections received after their deadline.
 
-Headline metrics: `ghost_tokens` (the replicas' `sim_ghost_tokens_total`: tokens generated after the client had
-gone), `ghost_tokens_per_cancel` (per client that disconnected or timed out), `wasted_tokens` (ghost tokens plus
-tokens streamed to clients that then gave up), `goodput_rps` (completed requests per second).
+Headline metrics: `ghost_tokens_per_cancel` (ghost tokens per client that disconnected or timed out; the bar is
+one decode step, i.e. at most 1 token per cancelled sequence), `ghost_tokens`, `wasted_tokens` (ghost tokens
+plus tokens streamed to clients that then gave up), `goodput_rps` (completed requests per second).
 Reproduced on envoy-rr when ghost_tokens_per_cancel >= 20.
-Sluice knobs: `admission.max_wait_s: 3` (hold in the sidecar's queue instead of forwarding; the client's
-`x-stainless-read-timeout` tells the sidecar when waiting is pointless).
+Sluice knobs: `admission.max_wait_s: 3` (hold in the sidecar's queue instead of forwarding). From the client's
+`x-stainless-read-timeout` the sidecar knows when waiting is pointless and sets Envoy's
+`x-envoy-upstream-rq-timeout-ms` to the time left, so Envoy resets the upstream stream at the deadline and the
+replica aborts even though the client's connection stays open.
+The `no-abort` variant (P4n, `p04n_no_abort.py`) runs the same workload on replicas that never abort.
 """
 
 from __future__ import annotations
@@ -27,6 +38,17 @@ from bench.openloop import Arrival, ClientSpec
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
 
 TIMEOUT_S = 3.0
+LINGER_CAP_S = 30.0
+SHORT_OUTPUT, LONG_OUTPUT, LONG_SHARE = 120, 480, 0.25  # a quarter ask for long answers that outlast 3 s
+
+
+def client_for(n: int) -> tuple[str, ClientSpec]:
+    """The kind and behaviour of arrival `n`: 2 in 5 wait, 2 in 5 linger, 1 in 5 close the page early."""
+    kind = ("waits", "lingers", "waits", "lingers", "leaves")[n % 5]
+    spec = ClientSpec(timeout_s=TIMEOUT_S, send_read_timeout=True, mark_deadline=True,
+                      cancel_after_tokens=5 if kind == "leaves" else None,
+                      linger_s=LINGER_CAP_S if kind == "lingers" else None)
+    return kind, spec
 
 
 class S(Scenario):
@@ -35,42 +57,44 @@ class S(Scenario):
     problem = "mass cancellations while the model keeps computing"
     replicas = 2
     time_scale = 1.0
-    sim_args = ["--fault", "no-abort"]
+    sim_args: list[str] = []
     settle_s = 6.0  # let abandoned work finish so every ghost token is counted
     sluice_policy = {"admission": {"max_wait_s": 3.0}}
     headline = ('ghost_tokens_per_cancel', 'goodput_rps')
     metrics_doc = [
-        Metric("ghost_tokens", "tokens generated for clients that had already gone (sim_ghost_tokens_total)", "tok"),
+        Metric("ghost_tokens", "tokens generated after the client had gone or its deadline had passed "
+               "(replicas' sim_ghost_tokens_total + late_tokens)", "tok"),
         Metric("ghost_tokens_per_cancel", "ghost_tokens / clients that disconnected or timed out", "tok"),
         Metric("wasted_tokens", "ghost tokens + tokens streamed to clients that then gave up", "tok"),
+        Metric("late_tokens_received", "client-side check: tokens lingering connections read after their "
+               "deadline", "tok"),
         Metric("cancels", "clients that disconnected (page closed) or timed out", "", ""),
         Metric("goodput_rps", "requests completed per second of offered load", "req/s", "higher"),
     ]
 
     def workload(self, quick: bool) -> Workload:
         duration = 10.0 if quick else 30.0
-        rng = random.Random(4)
+        rng, lengths = random.Random(4), random.Random(44)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            leaves = n % 5 == 4
-            spec = ClientSpec(timeout_s=TIMEOUT_S, send_read_timeout=True,
-                              cancel_after_tokens=5 if leaves else None)
-            arrivals.append(Arrival(at=t, body=chat(1500, 120, salt=n), kind="leaves" if leaves else "waits",
-                                    client=spec))
+            kind, spec = client_for(n)
+            out = LONG_OUTPUT if lengths.random() < LONG_SHARE else SHORT_OUTPUT
+            arrivals.append(Arrival(at=t, body=chat(1500, out, salt=n), kind=kind, client=spec))
             n += 1
             t += rng.expovariate(20.0)
         return Workload(arrivals=arrivals, duration=duration, drain=TIMEOUT_S + 2.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
-        ghost = run.counter_total("ghost_tokens")
+        ghost = run.counter_total("ghost_tokens") + run.counter_total("late_tokens")
         gone = [r for r in run.records if r.cancelled or r.timed_out]
         streamed_then_gone = sum(r.tokens for r in gone)
         ok = [r for r in run.records if r.ok]
         return {
             "ghost_tokens": ghost,
-            "ghost_tokens_per_cancel": rnd(ghost / len(gone), 1) if gone else None,
+            "ghost_tokens_per_cancel": rnd(ghost / len(gone), 2) if gone else None,
             "wasted_tokens": ghost + streamed_then_gone,
+            "late_tokens_received": float(sum(r.late_tokens for r in run.records)),
             "cancels": float(len(gone)),
             "goodput_rps": rnd(len(ok) / (run.duration * run.time_scale), 2),
         }

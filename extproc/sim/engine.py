@@ -101,6 +101,7 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     ghost_tokens: int = 0
+    late_tokens: int = 0  # generated after the client's deadline (x-sim-deadline) while it was still connected
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -116,7 +117,7 @@ class Request:
         "rid", "prompt_len", "max_output", "arrival", "ready_at", "hashes", "status",
         "num_computed", "num_output", "private_blocks", "shared", "first_scheduled",
         "first_token_at", "last_token_at", "finish_reason", "preemptions", "client_gone",
-        "ghost_tokens", "stop_reason", "waiter", "notify_each", "tag",
+        "ghost_tokens", "stop_reason", "waiter", "notify_each", "tag", "deadline",
     )
 
     def __init__(self, rid: str, prompt_len: int, max_output: int, *,
@@ -144,6 +145,7 @@ class Request:
         self.waiter: Any = None  # owned by the runner (an asyncio future)
         self.notify_each = True  # wake the waiter on every token (streams) or only at the end
         self.tag = tag
+        self.deadline: float | None = None  # simulated time after which nobody waits for the answer
 
     @property
     def num_tokens(self) -> int:
@@ -506,6 +508,8 @@ class Engine:
             if req.client_gone:
                 req.ghost_tokens += 1
                 st.ghost_tokens += 1
+            elif req.deadline is not None and end > req.deadline:
+                st.late_tokens += 1
             if req.num_output >= req.max_output:
                 self._finish(req, req.stop_reason, end)
                 done = True

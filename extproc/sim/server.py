@@ -369,6 +369,7 @@ class SimServer:
                 "prefix_cache_queries": st.prefix_queries,
                 "prefix_cache_hits": st.prefix_hits,
                 "ghost_tokens": st.ghost_tokens,
+                "late_tokens": st.late_tokens,
                 "finished": dict(st.finished),
                 "steps": st.steps,
             },
@@ -529,6 +530,7 @@ class SimServer:
         sid = self._new_id()
         req = Request(sid, n_prompt, out_len, hashes=hashes, stop_reason=reason)
         req.notify_each = stream
+        req.deadline = self._deadline(request)
         job = _Job(req, ("chatcmpl-" if chat else "cmpl-") + sid, int(time.time()),
                    tokenizer.output_offset(self.seed, key), chat, include_usage, n_prompt)
         runner = self.runner
@@ -543,6 +545,19 @@ class SimServer:
                 req.client_gone = True
                 if not self.faults.no_abort:
                     runner.abort(req)
+
+    def _deadline(self, request: web.Request) -> float | None:
+        """Simulated time of the client's deadline from ``x-sim-deadline`` (unix seconds), a benchmark probe:
+        tokens generated after it, for a client still connected, count as ``late_tokens`` (work nobody waits
+        for). Absolute, so time spent in a gateway's queue does not move it."""
+        text = request.headers.get("x-sim-deadline")
+        if not text:
+            return None
+        try:
+            left = float(text) - time.time()
+        except ValueError:
+            return None
+        return self.runner.sim_now() + left * self.time_scale
 
     async def _wait(self, req: Request) -> None:
         fut = asyncio.get_running_loop().create_future()

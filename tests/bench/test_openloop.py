@@ -135,3 +135,87 @@ async def test_deadline_bounds_the_run():
 def test_arrival_count_is_bounded():
     with pytest.raises(ValueError):
         asyncio.run(run_open_loop("http://127.0.0.1:9/x", [Arrival(at=0, body={})] * 3, 1.0, max_arrivals=2))
+
+
+async def test_lingering_client_times_out_but_keeps_reading_and_counts_late_tokens():
+    seen: dict[str, float] = {}
+    finished = asyncio.Event()
+
+    async def slow_tail(request: web.Request) -> web.StreamResponse:
+        seen["deadline"] = float(request.headers["x-sim-deadline"])
+        seen["sent_at"] = time.time()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(_sse(0) + _sse(1))
+        await asyncio.sleep(0.8)  # well past the client's 0.3 s timeout
+        await resp.write(_sse(2) + _sse(3) + _sse(4) + b"data: [DONE]\n\n")
+        finished.set()  # the connection stayed open: nothing cancelled this handler
+        return resp
+
+    runner, url = await _server(slow_tail)
+    try:
+        spec = ClientSpec(timeout_s=0.3, linger_s=5.0, mark_deadline=True)
+        records, _ = await run_open_loop(url, [Arrival(at=0.0, body={}, client=spec)], deadline_s=4.0)
+        assert finished.is_set()
+    finally:
+        await runner.cleanup()
+    [r] = records
+    assert r.timed_out and r.error == "timeout" and not r.ok and not r.done  # the client gave up at 0.3 s
+    assert r.tokens == 2 and r.late_tokens == 3                              # the rest arrived for nobody
+    assert r.latency < 0.8                                 # its end is its deadline, not the tail at 0.8 s
+    assert abs(seen["deadline"] - (seen["sent_at"] + 0.3)) < 0.25
+
+
+async def test_linger_is_bounded_by_its_cap_and_closes_the_connection():
+    cancelled = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            for i in range(1000):
+                await resp.write(_sse(i))
+                await asyncio.sleep(0.02)
+        except (asyncio.CancelledError, ConnectionResetError):
+            cancelled.set()
+            raise
+        return resp
+
+    runner, url = await _server(endless)
+    try:
+        spec = ClientSpec(timeout_s=0.2, linger_s=0.3)
+        t = time.monotonic()
+        records, _ = await run_open_loop(url, [Arrival(at=0.0, body={}, client=spec)], deadline_s=10.0)
+        assert time.monotonic() - t < 5.0                         # the cap, not the 10 s run deadline, ended it
+        await asyncio.wait_for(cancelled.wait(), 2.0)
+    finally:
+        await runner.cleanup()
+    [r] = records
+    assert r.timed_out and r.late_tokens > 0 and r.tokens + r.late_tokens < 1000
+
+
+async def test_run_deadline_ends_lingering_connections():
+    cancelled = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            for i in range(1000):
+                await resp.write(_sse(i))
+                await asyncio.sleep(0.02)
+        except (asyncio.CancelledError, ConnectionResetError):
+            cancelled.set()
+            raise
+        return resp
+
+    runner, url = await _server(endless)
+    try:
+        spec = ClientSpec(timeout_s=0.1, linger_s=60.0)
+        t = time.monotonic()
+        records, _ = await run_open_loop(url, [Arrival(at=0.0, body={}, client=spec)], deadline_s=0.5)
+        assert time.monotonic() - t < 5.0
+        await asyncio.wait_for(cancelled.wait(), 2.0)
+    finally:
+        await runner.cleanup()
+    assert records[0].timed_out and records[0].late_tokens > 0
