@@ -68,6 +68,8 @@ BARS: list[Bar] = [
         if _all(_v(r, "sluice", "ttft_p95_s"), _v(r, "envoy-rr", "ttft_p95_s")) else None, _pair("ttft_p95_s")),
     Bar("P1", "sluice shed_latency_p99_s <= 0.05", _lim("shed_latency_p99_s", lambda a: a <= 0.05),
         _one("shed_latency_p99_s")),
+    Bar("P1f", "a tenant flooding at 10x leaves the other tenant's ttft_p95 within 1.5x of its solo value",
+        _lim("other_tenant_ttft_p95_ratio", lambda a: a <= 1.5), _pair("other_tenant_ttft_p95_ratio")),
     Bar("P2", "sluice ttft_p95_s <= 1/3 of envoy-rr's", _cmp("ttft_p95_s", lambda a, b: a <= b / 3),
         _pair("ttft_p95_s")),
     Bar("P3", "sluice hol_slowdown <= 2.0 (envoy-rr >= 3)",
@@ -76,6 +78,9 @@ BARS: list[Bar] = [
         _pair("hol_slowdown")),
     Bar("P4", "sluice ghost_tokens_per_cancel <= one decode step (1 token per sequence)",
         _lim("ghost_tokens_per_cancel", lambda a: a <= 1.0), _pair("ghost_tokens_per_cancel")),
+    # Informational: with replicas that ignore disconnects no gateway can stop forwarded work (docs/benchmarks.md).
+    Bar("P4n", "no-abort replicas: sluice wasted_tokens <= envoy-rr's (informational)",
+        _cmp("wasted_tokens", lambda a, b: a <= b), _pair("wasted_tokens")),
     Bar("P5", "sluice amplification <= 1.2 while envoy-rr's >= 3",
         lambda r: (_v(r, "sluice", "amplification") <= 1.2 and _v(r, "envoy-rr", "amplification") >= 3)
         if _all(_v(r, "sluice", "amplification"), _v(r, "envoy-rr", "amplification")) else None,
@@ -107,10 +112,20 @@ BARS: list[Bar] = [
         if _all(_v(r, "sluice", "other_tenant_ttft_p95_s"), _v(r, "sluice", "other_tenant_ttft_p95_idle_s"))
         else None, _one("other_tenant_ttft_p95_s", "other_tenant_ttft_p95_idle_s")),
     Bar("P12", "rejected_clean == 1.0", _lim("rejected_clean", lambda a: a == 1.0), _pair("rejected_clean")),
+    Bar("P12", "admitted streams keep flowing (admitted_flowing == 1.0)", _lim("admitted_flowing", lambda a: a == 1.0),
+        _one("admitted_flowing", "open_streams_max")),
+    Bar("P12", "Envoy + sidecar memory grows by <= 100 KB per open stream",
+        _lim("gateway_kb_per_open_stream", lambda a: a <= 100), _pair("gateway_kb_per_open_stream")),
     Bar("P13", "gateway_rss_mb_per_slow_stream <= 0.25", _lim("gateway_rss_mb_per_slow_stream", lambda a: a <= 0.25),
         _pair("gateway_rss_mb_per_slow_stream")),
     Bar("P13", "slow streams are cut (slow_streams_cut > 0)", _lim("slow_streams_cut", lambda a: a > 0),
         _pair("slow_streams_cut")),
+    # Flat over time: the last third of the run adds at most a tenth of the run's growth (full run only: in the
+    # 10 s quick run the slow streams' buffers are still filling in the middle third, so it is not judged).
+    Bar("P13", "gateway RSS flat over time (gateway_rss_drift_mb <= 10% of gateway_rss_growth_mb)",
+        lambda r: (_v(r, "sluice", "gateway_rss_drift_mb") <= 0.1 * _v(r, "sluice", "gateway_rss_growth_mb"))
+        if _all(_v(r, "sluice", "gateway_rss_drift_mb"), _v(r, "sluice", "gateway_rss_growth_mb")) else None,
+        _one("gateway_rss_drift_mb", "gateway_rss_growth_mb")),
 ]
 
 

@@ -115,12 +115,29 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
     return stack, notes
 
 
-def _pids(stack: Stack) -> list[int]:
-    out = []
+def _gateway_pids(stack: Stack) -> dict[str, list[int]]:
+    """Envoy's and the sidecar workers' PIDs, by part: memory is reported per part so a growth can be placed."""
+    out: dict[str, list[int]] = {"envoy": [], "sidecar": []}
     for c in stack.children:
-        if (c.name == "envoy" or c.name.startswith("sidecar")) and c.proc is not None:
-            out.append(c.proc.pid)
+        if c.proc is None:
+            continue
+        if c.name == "envoy":
+            out["envoy"].append(c.proc.pid)
+        elif c.name.startswith("sidecar"):
+            out["sidecar"].append(c.proc.pid)
     return out
+
+
+def _sample_rss(parts: dict[str, list[int]], run: RunData, t: float) -> None:
+    """One RSS sample: the Envoy + sidecar total in `run.gateway_rss`, each part in `run.extra["rss"][part]`."""
+    try:
+        by_part = {part: sum(rss_bytes(p) for p in pids) for part, pids in parts.items() if pids}
+    except OSError:
+        return
+    run.gateway_rss.append((t, sum(by_part.values())))
+    per = run.extra.setdefault("rss", {})
+    for part, value in by_part.items():
+        per.setdefault(part, []).append((t, value))
 
 
 def parse_prom(text: str, wanted: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -213,7 +230,7 @@ async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.Clien
                 stop: asyncio.Event) -> None:
     """Replica state every POLL_S; sidecar metrics and gateway RSS when the scenario asks."""
     urls = {addr: stack.sim_admin_url(addr) + "/sim/state" for addr in run.replicas}
-    pids = _pids(stack)
+    parts = _gateway_pids(stack)
     rnd = 0
     timeout = aiohttp.ClientTimeout(total=1.0)
 
@@ -242,10 +259,7 @@ async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.Clien
             jobs.append(_poll_prom(stack.admin_url + "/stats/prometheus", run.envoy, sc.poll_envoy, session, t))
         await asyncio.gather(*jobs)
         if sc.rss_poll:
-            try:
-                run.gateway_rss.append((t, sum(rss_bytes(p) for p in pids)))
-            except OSError:
-                pass
+            _sample_rss(parts, run, t)
         rnd += 1
         try:
             await asyncio.wait_for(stop.wait(), POLL_S)

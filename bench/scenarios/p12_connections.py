@@ -1,20 +1,24 @@
 """P12 streaming exhausts connections first: thousands of open SSE streams, the gateway runs out before the GPU.
 
-Workload (2 replicas, tiny-cpu, time_scale 1, replicas started `--fault slow=10` so a stream of 400 tokens
-lasts the whole run, like the document's 30 s streams): 1,000 streaming requests (quick; 5,000 full) open over
-5 s (10 s full) and stay open. The gateway's connection capacity is `gateway.max_downstream_connections` = 800
+Workload (2 replicas, tiny-cpu, time_scale 1): 1,000 streaming requests (quick; 5,000 full) open over 5 s (10 s
+full) and stay open: 20 prompt tokens, 400 output tokens. The replicas are made big enough to hold every stream
+the gateway lets through (`--max-num-seqs 4096 --num-gpu-blocks 200000 --max-num-batched-tokens 16384`, and
+`--fault slow=3` so thousands of streams flow at about a token per second each and last the whole run): the
+gateway must run out first. The gateway's connection capacity is `gateway.max_downstream_connections` = 800
 (quick; 4,000 full), the same for every system: Envoy's overload manager closes connections beyond it at
-accept. The load generator raises its own RLIMIT_NOFILE to fit.
+accept. The harness raises RLIMIT_NOFILE to 12,000 (the stack it starts inherits it).
 
-Headline metrics: `open_streams_max` (streams open at once, client view), `rejected` (attempts that did not
-get a stream), `rejected_clean` (share of rejections that were clean HTTP errors, 429/503 with a body, as
-opposed to closed or reset connections), `gateway_rss_mb` (Envoy + sidecar RSS, max during the run).
+Headline metrics: `open_streams_max` (streams open at once with a 200, client view), `rejected` (attempts that
+did not get a stream), `rejected_clean` (share of rejections that were clean HTTP errors, 429/503 with a body,
+as opposed to closed or reset connections), `admitted_flowing` (share of admitted streams that received tokens),
+`gateway_kb_per_open_stream` (Envoy + sidecar RSS growth, max - start, divided by `held_open_max`, the most
+attempts in flight at once, queued ones included), `gateway_rss_mb` (Envoy + sidecar RSS, max during the run).
 Reproduced on envoy-rr when streams were rejected and less than half of the rejections were clean.
 Every stream carries `x-sluice-tenant: streams`.
 Sluice knobs: `tenants.max_streams_per_tenant` = 700 (quick; 3,500 full), below the connection limit, so the
-sidecar answers the excess with a clean 429 before Envoy runs out of connections; and
-`admission.max_concurrency_per_replica: 512` so the sidecar forwards as many streams as the replicas accept
-(max_num_seqs 256, the rest in their own queues, headers already sent).
+sidecar answers the excess with a clean 429 before Envoy runs out of connections; and admission limits opened
+up to the replicas' size (`max_concurrency_per_replica` and `max_waiting_per_replica` 4,096, `ttft_target_s`
+60) so the sidecar forwards every stream within the tenant cap instead of holding it.
 """
 
 from __future__ import annotations
@@ -29,15 +33,25 @@ class S(Scenario):
     problem = "streaming exhausts connections first"
     replicas = 2
     time_scale = 1.0
-    sim_args = ["--fault", "slow=10"]
+    # Replicas big enough to hold every stream the gateway lets through (the gateway must run out first, not the
+    # "GPU"): thousands of sequences and KV blocks, a prefill budget that starts a whole arrival burst in one
+    # step, and every step 3x slower so thousands of streams flow at about one token per second (cheap for the
+    # simulator, Envoy and the load generator on a small machine).
+    sim_args = ["--max-num-seqs", "4096", "--num-gpu-blocks", "200000", "--max-num-batched-tokens", "16384",
+                "--fault", "slow=3"]
     rss_poll = True
     nofile = 12000
     headline = ('rejected_clean', 'open_streams_max', 'gateway_rss_mb')
     metrics_doc = [
         Metric("open_streams_max", "streams open at once (client view)", "streams", "higher"),
         Metric("rejected", "attempts that did not get a stream", "", ""),
+        Metric("admitted_flowing", "share of admitted streams (200) that received tokens", "", "higher"),
         Metric("rejected_clean", "share of rejections that were clean HTTP errors (4xx/5xx)", "", "higher"),
         Metric("gateway_rss_mb", "max Envoy + sidecar RSS during the run", "MB"),
+        Metric("gateway_kb_per_open_stream", "Envoy + sidecar RSS growth (max - start) / streams held open at "
+               "once (streaming or waiting in the gateway)", "KB"),
+        Metric("held_open_max", "streams held open at once (client view: sent, not yet ended or rejected)",
+               "streams", "higher"),
         Metric("streams_offered", "streams the clients opened", "", ""),
     ]
 
@@ -51,35 +65,34 @@ class S(Scenario):
     @property
     def sluice_policy(self) -> dict:  # type: ignore[override]
         return {"tenants": {"max_streams_per_tenant": 700 if self._quick else 3500},
-                "admission": {"max_concurrency_per_replica": 512}}
+                "admission": {"max_concurrency_per_replica": 4096, "max_waiting_per_replica": 4096,
+                              "ttft_target_s": 60.0}}
 
     def workload(self, quick: bool) -> Workload:
         self._quick = quick
         n, ramp, duration = (1000, 5.0, 9.0) if quick else (5000, 10.0, 20.0)
         spec = ClientSpec(timeout_s=60.0)
-        arrivals = [Arrival(at=0.1 + ramp * i / n, body=chat(100, 400, salt=i), kind="stream", client=spec,
+        arrivals = [Arrival(at=0.1 + ramp * i / n, body=chat(20, 400, salt=i), kind="stream", client=spec,
                             headers={"x-sluice-tenant": "streams"}) for i in range(n)]
         return Workload(arrivals=arrivals, duration=duration, drain=0.5)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
-        events = []
-        for r in run.records:
-            if r.status == 200 and r.headers_at is not None:
-                events.append((r.headers_at, 1))
-                events.append((r.end if r.end is not None else run.duration, -1))
-        events.sort()
-        cur = best = 0
-        for _t, d in events:
-            cur += d
-            best = max(best, cur)
+        best = _max_overlap([(r.headers_at, r.end if r.end is not None else run.duration)
+                             for r in run.records if r.status == 200 and r.headers_at is not None])
         rejected = [r for r in run.records if r.status != 200 and r.error != "unfinished"]
+        ok = [r for r in run.records if r.status == 200]
         clean = [r for r in rejected if 400 <= r.status < 600]
         rss = max((v for _t, v in run.gateway_rss), default=None)
+        held = _held_open_max(run)
+        growth = (rss - run.gateway_rss[0][1]) if rss else None
         return {
             "open_streams_max": float(best),
             "rejected": float(len(rejected)),
+            "admitted_flowing": rnd(sum(1 for r in ok if r.tokens > 0) / len(ok)) if ok else None,
             "rejected_clean": rnd(len(clean) / len(rejected)) if rejected else None,
             "gateway_rss_mb": rnd(rss / 1e6, 1) if rss else None,
+            "gateway_kb_per_open_stream": rnd(growth / held / 1e3, 1) if growth is not None and held else None,
+            "held_open_max": float(held),
             "streams_offered": float(len({r.user for r in run.records})),
         }
 
@@ -87,3 +100,21 @@ class S(Scenario):
         rej, clean = m.get("rejected"), m.get("rejected_clean")
         ok = rej is not None and rej > 0 and clean is not None and clean < 0.5
         return ok, f"rejected {rej} (needs > 0), rejected_clean {clean} (needs < 0.5)"
+
+
+def _held_open_max(run: RunData) -> int:
+    """Most attempts in flight at once: sent and not yet ended (a rejection ends one; a stream still open at
+    the run's end counts to the end). Queued streams count: they hold a connection in Envoy and a gRPC stream in
+    the sidecar just like flowing ones, so memory per open stream is divided by these."""
+    spans = [(r.start, r.end if r.end is not None else run.duration) for r in run.records]
+    return _max_overlap(spans)
+
+
+def _max_overlap(spans: list[tuple[float, float]]) -> int:
+    """Most spans open at the same instant (an end at t closes before a start at t opens)."""
+    events = sorted([(a, 1) for a, _b in spans] + [(b, -1) for _a, b in spans])
+    cur = best = 0
+    for _t, d in events:
+        cur += d
+        best = max(best, cur)
+    return best

@@ -1,6 +1,6 @@
 """P13 upstream faster than downstream: slow stream readers.
 
-Workload (2 replicas, tiny-cpu, time_scale 1): 30 slow streams (quick; 100 full) ask for 1,500 output tokens
+Workload (2 replicas, tiny-cpu, time_scale 1): 100 slow streams (10 s quick; 30 s full) ask for 1,500 output tokens
 (the replica produces about 150 tokens/s per stream) and read 256 bytes every 0.25 s (about 5 tokens/s: a slow
 WebSocket bridge or mobile network), with a 16 KiB socket receive buffer; 20 normal streams of 200 tokens read
 at full speed alongside. Envoy's per-connection buffer limit (64 KiB, `gateway.buffer_limit_bytes`) and a
@@ -40,6 +40,10 @@ class S(Scenario):
     metrics_doc = [
         Metric("gateway_rss_mb_per_slow_stream", "Envoy + sidecar RSS growth / slow streams", "MB"),
         Metric("gateway_rss_growth_mb", "Envoy + sidecar RSS max - RSS at start", "MB"),
+        Metric("envoy_rss_growth_mb", "Envoy's part of the growth (its RSS max - RSS at start)", "MB"),
+        Metric("sidecar_rss_growth_mb", "the sidecar's part (its RSS max - RSS at start)", "MB"),
+        Metric("gateway_rss_drift_mb", "Envoy + sidecar RSS: mean of the last third of the run - mean of the "
+               "middle third (flat over time: near 0; full run only)", "MB"),
         Metric("slow_streams_cut", "share of slow streams the gateway ended before completion", "", "higher"),
         Metric("unread_tokens", "tokens the replicas generated that no client read", "tok"),
         Metric("unread_tokens_share", "unread_tokens / tokens generated", ""),
@@ -47,7 +51,9 @@ class S(Scenario):
     ]
 
     def workload(self, quick: bool) -> Workload:
-        n_slow, duration = (30, 10.0) if quick else (100, 30.0)
+        # 100 slow streams in both modes: the issue's bar is stated for 100 slow consumers, and with fewer the
+        # gateway's one-time costs (first ext_proc connection, code paged in) would be divided by too few streams.
+        n_slow, duration = (100, 10.0) if quick else (100, 30.0)
         slow = ClientSpec(read_bytes=256, read_interval_s=0.25, timeout_s=120.0)
         arrivals = [Arrival(at=0.5 + 2.0 * i / n_slow, body=chat(200, 1500, salt=i), kind="slow", client=slow)
                     for i in range(n_slow)]
@@ -69,15 +75,19 @@ class S(Scenario):
             before = [x.get("aborted") or 0 for x in run.samples.get(addr, []) if x["t"] <= deadline]
             aborted += max(before, default=0)
         n_cut = max(float(len(client_cut)), aborted)
-        rss0 = run.gateway_rss[0][1] if run.gateway_rss else None
-        rss_max = max((v for _t, v in run.gateway_rss), default=None)
-        growth = (rss_max - rss0) / 1e6 if rss0 is not None and rss_max is not None else None
+        growth = _growth_mb(run.gateway_rss)
+        parts = run.extra.get("rss") or {}
         generated = run.counter_total("generation_tokens")
         read = sum(r.tokens for r in run.records)
         unread = max(0.0, generated - read)
         return {
             "gateway_rss_mb_per_slow_stream": rnd(growth / len(slow), 3) if growth is not None and slow else None,
             "gateway_rss_growth_mb": rnd(growth, 1),
+            "envoy_rss_growth_mb": rnd(_growth_mb(parts.get("envoy") or []), 1),
+            "sidecar_rss_growth_mb": rnd(_growth_mb(parts.get("sidecar") or []), 1),
+            # Judged on the full run only: in 10 s the slow streams' buffers are still filling in the middle third.
+            "gateway_rss_drift_mb": None if run.extra.get("quick")
+            else rnd(_drift_mb(run.gateway_rss, run.duration), 1),
             "slow_streams_cut": rnd(min(1.0, n_cut / len(slow))) if slow else None,
             "unread_tokens": unread,
             "unread_tokens_share": rnd(unread / generated) if generated else None,
@@ -88,3 +98,21 @@ class S(Scenario):
         cut, unread = m.get("slow_streams_cut"), m.get("unread_tokens_share")
         ok = cut is not None and cut == 0 and unread is not None and unread > 0.5
         return ok, f"slow_streams_cut {cut} (needs 0), unread_tokens_share {unread} (needs > 0.5)"
+
+
+def _growth_mb(samples: list[tuple[float, int]]) -> float | None:
+    """RSS max during the run minus the first sample (taken before the first stream arrives), in MB."""
+    if not samples:
+        return None
+    return (max(v for _t, v in samples) - samples[0][1]) / 1e6
+
+
+def _drift_mb(samples: list[tuple[float, int]], duration: float) -> float | None:
+    """Mean RSS over the last third of the offered load minus the mean over the middle third, in MB: every slow
+    stream has arrived by then, so a gateway whose memory per stream is bounded stays flat (about 0), and one that
+    keeps buffering what slow clients do not read keeps growing."""
+    mid = [v for t, v in samples if duration / 3 <= t < 2 * duration / 3]
+    last = [v for t, v in samples if 2 * duration / 3 <= t <= duration]
+    if not mid or not last:
+        return None
+    return (sum(last) / len(last) - sum(mid) / len(mid)) / 1e6

@@ -15,6 +15,10 @@ def test_bars_judge_met_not_met_and_missing():
     assert verdicts[("P7", "sluice kv_usage_spread <= half of envoy-rr's")] is True
     assert verdicts[("P8", "sluice detect_s <= 10 and envoy-rr never detects")] is False
     assert verdicts[("P1", "sluice shed_latency_p99_s <= 0.05")] is None  # not run
+    p4 = {"P4": {"sluice": {"ghost_tokens_per_cancel": 0.2}, "envoy-rr": {"ghost_tokens_per_cancel": 57.0}},
+          "P4n": {"sluice": {"wasted_tokens": 30000.0}, "envoy-rr": {"wasted_tokens": 25000.0}}}
+    p4_verdicts = {bar.scenario: ok for bar, ok, _shown in evaluate(p4) if bar.scenario.startswith("P4")}
+    assert p4_verdicts == {"P4": True, "P4n": False}  # the no-abort variant has its own, informational row
     text = table({**results, "_meta": {"command": "c", "commit": "x"}})
     assert "**not met**" in text and "| P3 |" in text
 

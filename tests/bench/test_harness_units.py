@@ -67,6 +67,42 @@ def test_scan_events_counts_content_and_first_token():
     assert r.done and r.prompt_tokens == 12 and r.completion_tokens == 2 and r.tokens == 2
 
 
+def test_scan_events_after_the_clients_timeout_counts_late_tokens_only():
+    r = rec(start=0.0, timed_out=True, tokens=3)
+    events = (b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+              b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+              b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5}}\n\n'
+              b'data: [DONE]\n\n')
+    assert scan_events(events, r, 4.0) == b""
+    assert r.late_tokens == 2 and r.tokens == 3      # nobody was waiting for these two
+    assert not r.done and not r.ok                    # a stream that completes after the deadline is no success
+
+
+def test_variants_sort_after_their_problem_and_names_are_case_insensitive():
+    ids = [s.id for s in get_scenarios(["all"])]
+    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-1] == "P13"
+    assert [s.id for s in get_scenarios(["p4N", "P10", "p4"])] == ["P4", "P4n", "P10"]
+    p4, p4n = get_scenarios(["P4", "P4n"])
+    assert "no-abort" not in p4.sim_args and p4n.sim_args == ["--fault", "no-abort"]
+    assert [a.kind for a in p4.workload(True).arrivals] == [a.kind for a in p4n.workload(True).arrivals]
+
+
+def test_p4_ghost_tokens_count_the_replicas_ghost_and_late_tokens():
+    [sc] = get_scenarios(["P4"])
+    kinds = {a.kind: a.client for a in sc.workload(True).arrivals}
+    assert kinds["lingers"].linger_s and kinds["lingers"].mark_deadline and kinds["lingers"].send_read_timeout
+    assert kinds["waits"].linger_s is None and kinds["leaves"].cancel_after_tokens == 5
+    run = RunData(scenario="P4", system="envoy-rr", time_scale=1.0, replicas=["a", "b"], duration=10.0)
+    run.sim_final = {"a": {"counters": {"ghost_tokens": 4, "late_tokens": 100}},
+                     "b": {"counters": {"ghost_tokens": 0, "late_tokens": 96}}}
+    run.records = [rec(timed_out=True, tokens=10, late_tokens=90), rec(cancelled=True, tokens=5),
+                   rec(status=200, done=True, tokens=120), rec(timed_out=True, tokens=20, late_tokens=100)]
+    m = sc.metrics(run)
+    assert m["ghost_tokens"] == 200 and m["cancels"] == 3 and m["ghost_tokens_per_cancel"] == 66.67
+    assert m["wasted_tokens"] == 235 and m["late_tokens_received"] == 190 and m["goodput_rps"] == 0.1
+    assert sc.reproduced(m)[0] and not sc.reproduced({**m, "ghost_tokens_per_cancel": 0.5})[0]
+
+
 def test_sdk_retry_rules_follow_the_openai_sdk():
     assert sdk_should_retry(rec(status=503))
     assert sdk_should_retry(rec(status=429))
@@ -115,9 +151,11 @@ def test_parse_prometheus_text():
 
 REQUIRED_KEYS = {
     "P1": {"goodput_rps", "ttft_p95_s", "shed_fraction", "shed_latency_p99_s", "replica_waiting_max"},
+    "P1f": {"other_tenant_ttft_p95_ratio", "other_tenant_refused"},
     "P2": {"ttft_p95_s", "goodput_rps"},
     "P3": {"short_ttft_p95_s", "short_ttft_p95_idle_s", "hol_slowdown"},
     "P4": {"ghost_tokens", "ghost_tokens_per_cancel"},
+    "P4n": {"ghost_tokens", "ghost_tokens_per_cancel", "wasted_tokens"},
     "P5": {"amplification", "goodput_rps"},
     "P6": {"recollapses", "time_to_full_s"},
     "P7": {"kv_usage_spread", "ttft_p95_s"},
