@@ -25,6 +25,7 @@ COMPLETED, CANCELLED, TIMEOUT, FAILED = "completed", "cancelled", "timeout", "fa
 
 EntryListener = Callable[[str, al.HTTPAccessLogEntry], None]
 ProgressListener = Callable[[str, int], None]  # (request id, bytes written to the client so far)
+EndListener = Callable[[str, int], None]  # (request id, HTTP status) of every finished request
 
 
 def classify(entry: al.HTTPAccessLogEntry) -> str | None:
@@ -58,6 +59,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self._counters: dict[tuple[str, str], object] = {}
         self.listeners: list[EntryListener] = []
         self.progress_listeners: list[ProgressListener] = []
+        self.end_listeners: list[EndListener] = []
 
     def _count(self, pool: str, outcome: str) -> None:
         child = self._counters.get((pool, outcome))
@@ -70,6 +72,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
             for listener in self.progress_listeners:
                 listener(entry.request.request_id, entry.common_properties.downstream_wire_bytes_sent)
             return
+        if self.end_listeners:
+            request_id, status = entry.request.request_id, entry.response.response_code.value
+            for end in self.end_listeners:
+                end(request_id, status)
         outcome = classify(entry)
         if outcome is None:
             return

@@ -97,6 +97,7 @@ class Stream:
     cut: bool = False
     budgets: Budgets | None = None  # the Budgets that issued `charge` (a reload may replace self.budgets)
     status: int = 0
+    detached_at: float = 0.0  # > 0: forwarded, ext_proc stream closed; released by the access log (see detach)
 
 
 MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
@@ -185,6 +186,7 @@ class Gateway:
         self.open_requests = 0
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
+        self.detached: dict[str, Stream] = {}  # request id -> forwarded stream whose ext_proc stream has closed
         self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
         self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
@@ -291,6 +293,41 @@ class Gateway:
         self.access_log = receiver
         receiver.listeners.append(self.on_access_log)
         receiver.progress_listeners.append(self.on_progress)
+        receiver.end_listeners.append(self.on_request_end)
+
+    # ---- detached requests: the ext_proc stream ends with the pin answer -------------------------------------
+    def _detach(self, st: Stream, request_id: str) -> None:
+        """Let the ext_proc stream end once the request is pinned; its slots are released when Envoy's access log
+        reports the request's end. An ext_proc stream held open for the whole response costs about 64 KB per
+        open stream (Envoy's side stream plus the grpc.aio call; measured in P12), and nothing more is needed
+        from it unless the sidecar cuts slow consumers or observes the body. Needs the access log (the only
+        other way to learn the end) and a request id no other open request uses."""
+        if self.access_log is None or not request_id or request_id in self.detached:
+            return
+        st.detached_at = time.monotonic()
+        self.detached[request_id] = st
+
+    def on_request_end(self, request_id: str, status: int) -> None:
+        """Envoy's final access-log entry of a request: release a detached one (exactly once: popped)."""
+        st = self.detached.pop(request_id, None)
+        if st is not None:
+            st.status = status
+            self.finish(st)
+            m.OPEN_STREAMS.dec()
+
+    def sweep_detached(self, max_age_s: float) -> int:
+        """Release detached requests whose end never arrived (an access-log entry lost while Envoy reconnected):
+        older than any request can live. Returns how many were released."""
+        if not self.detached:
+            return 0
+        cutoff = time.monotonic() - max_age_s
+        stale = [rid for rid, st in self.detached.items() if st.detached_at < cutoff]
+        for rid in stale:
+            self.on_request_end(rid, self.detached[rid].status)
+        if stale:
+            m.DETACHED_SWEPT.inc(len(stale))
+            log.warning("released %d requests whose end Envoy's access log never reported", len(stale))
+        return len(stale)
 
     def on_progress(self, request_id: str, bytes_sent: int) -> None:
         """Envoy's periodic report of an open request: cut it if its client drains too slowly (P13)."""
@@ -323,6 +360,9 @@ class Gateway:
             now = time.monotonic()
             for tracker in self.health.values():
                 tracker.on_scrape_round(now)
+        now = time.monotonic()
+        for sched in self.schedulers.values():
+            sched.on_scrape(now)
         self.kick_all()
 
     def on_access_log(self, outcome: str, entry: "HTTPAccessLogEntry") -> None:  # noqa: F821
@@ -505,6 +545,8 @@ class Gateway:
             st.watch = DrainWatch()
             st.task = asyncio.current_task()
             self.live[req.request_id] = st
+        elif st.observer is None:
+            self._detach(st, req.request_id)
         return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
 
     def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:

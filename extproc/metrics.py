@@ -36,7 +36,11 @@ DECISION_SECONDS = Histogram(
     "Sidecar time from receiving the request body to answering Envoy (excludes queue waits).",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
-OPEN_STREAMS = Gauge("sluice_open_streams", "ext_proc streams currently open (one per HTTP request in Envoy).")
+OPEN_STREAMS = Gauge("sluice_open_streams", "HTTP requests the sidecar is governing: ext_proc streams open, plus "
+                     "forwarded requests whose ext_proc stream has ended and whose end the access log has not "
+                     "reported yet.")
+DETACHED_SWEPT = Counter("sluice_detached_swept_total", "Forwarded requests released by age because Envoy's access "
+                         "log never reported their end (entries lost while it reconnected).")
 READY = Gauge("sluice_ready", "1 when the sidecar is serving, 0 while starting or draining.")
 TENANT_OPEN_STREAMS = Gauge(
     "sluice_tenant_open_streams", "Requests of a tenant open in this sidecar (queued or forwarded); tenants past "

@@ -56,6 +56,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
                         answer = await gw.wait(st)
                     yield answer
+                    if st.detached_at:
+                        return  # pinned, released by the access log: this ext_proc stream has nothing left to do
                 elif kind == "request_headers":
                     yield gw.on_request_headers(st, msg.request_headers)
                 elif kind == "response_headers":
@@ -76,8 +78,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             # resets). `finish` tells which from what was seen, not from this exception.
             raise
         finally:
-            gw.finish(st)
-            m.OPEN_STREAMS.dec()
+            if not st.detached_at:
+                gw.finish(st)
+                m.OPEN_STREAMS.dec()
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -113,6 +116,17 @@ def _start_scraper(gateway: Gateway) -> Scraper | None:
     return scraper
 
 
+DETACHED_SWEEP_S = 10.0
+NO_ROUTE_TIMEOUT_MAX_AGE_S = 3600.0  # no route timeout (streams may be long): a lost end is released after this
+
+
+async def _sweep_detached(gateway: Gateway, max_age_s: float) -> None:
+    """Backstop for detached requests (see Gateway._detach) whose access-log end was lost."""
+    while True:
+        await asyncio.sleep(DETACHED_SWEEP_S)
+        gateway.sweep_detached(max_age_s)
+
+
 async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
     """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit."""
     gateway = Gateway(policy)
@@ -141,6 +155,9 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
         await scraper.start()
     await server.start()
     await site.start()
+    route_timeout = policy.gateway.request_timeout_s
+    sweeper = asyncio.create_task(_sweep_detached(
+        gateway, (route_timeout if route_timeout > 0 else NO_ROUTE_TIMEOUT_MAX_AGE_S) + 30.0))
     # Operations: the policy watcher (file change + SIGHUP) and the admin API, on loopback.
     note_policy(policy)
     # With xds_out (worker 0 only), a reload also re-renders the Envoy files there: replica changes reach Envoy.
@@ -168,6 +185,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     deadline = loop.time() + grace_s
     while loop.time() < deadline and any(p.inflight_requests for p in gateway.pools.values()):
         await asyncio.sleep(0.05)
+    sweeper.cancel()
     if watcher is not None:
         await watcher.stop()
     await admin.stop(grace=0.5)

@@ -14,7 +14,9 @@ Reproduced on envoy-rr when the ratio is >= 3 (round robin serves the tenants in
 tenant waits behind the flood's queue).
 Sluice knobs: `admission.ttft_target_s: 0.3` (keep each replica's own prefill backlog short: a quiet tenant's
 request put ahead of the flood by the fair queue must not then wait behind the flood inside the engine) and
-`admission.max_wait_s: 1.0`; tenants at equal weight (the token-weighted fair queue, `extproc/admission/queue.py`).
+`admission.max_wait_s: 1.0`; tenants at equal weight (the token-weighted fair queue, `extproc/admission/queue.py`);
+`admission.tenant_prefill_share: 0.5` (opt-in, off by default: while one tenant dominates, it may prefill on at
+most half of the replicas, so a quiet tenant's prompt starts on a free replica; the flood's throughput pays).
 
 """
 
@@ -37,7 +39,7 @@ class S(Scenario):
     problem = "instant flood peaks, not sustained load (from one tenant)"
     replicas = 3
     time_scale = 1.0
-    sluice_policy = {"admission": {"ttft_target_s": 0.3, "max_wait_s": 1.0}}
+    sluice_policy = {"admission": {"ttft_target_s": 0.3, "max_wait_s": 1.0, "tenant_prefill_share": 0.5}}
     headline = ("other_tenant_ttft_p95_ratio", "other_tenant_ttft_p95_s", "other_tenant_ttft_p95_solo_s")
     metrics_doc = [
         Metric("other_tenant_ttft_p95_ratio", "steady tenant's p95 TTFT with the flood / alone", "x"),

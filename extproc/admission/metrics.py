@@ -18,7 +18,9 @@ SHED = Counter("sluice_shed_total",
                "wait_exceeds_deadline, deadline_unmeetable, never_fits, evicted).", ["pool", "lane", "reason"])
 SATURATION = Counter("sluice_replica_saturated_total",
                      "Placement attempts that found replicas full, by reason (kv_full, engine_queue, concurrency, "
-                     "prefill_backlog, lane, stale, not_routable).", ["pool", "reason"])
+                     "prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])
+PREFILL_RATE = Gauge("sluice_prefill_tokens_per_second",
+                     "Prefill speed per replica admission assumes (learned from saturated engines).", ["pool"])
 LANE_INFLIGHT = Gauge("sluice_lane_inflight_requests", "Requests in flight per lane.", ["pool", "lane"])
 
 
@@ -33,6 +35,7 @@ class PoolMetrics:
         self._inflight = [LANE_INFLIGHT.labels(pool, lane) for lane in lanes]
         self._shed: dict[tuple[int, str], object] = {}
         self._sat: dict[str, object] = {}
+        self._rate = PREFILL_RATE.labels(pool)
 
     def queued(self, lane: int, prio: int, delta: int) -> None:
         self._depth[lane][prio].inc(delta)
@@ -51,6 +54,9 @@ class PoolMetrics:
         if child is None:
             child = self._shed[(lane, reason)] = SHED.labels(self.pool, self.lanes[lane], reason)
         child.inc()  # type: ignore[attr-defined]
+
+    def prefill_rate(self, rate: float) -> None:
+        self._rate.set(rate)
 
     def saturated(self, reasons: dict[str, int]) -> None:
         for reason, n in reasons.items():

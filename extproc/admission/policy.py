@@ -45,11 +45,16 @@ class AdmissionPolicy:
     kv_capacity_tokens: int = 0           # per replica, when the engine does not export vllm:cache_config_info
     max_concurrency_per_replica: int = 64  # requests this sidecar keeps in flight on one replica
     max_waiting_per_replica: int = 2      # dispatch only while the engine's own waiting queue is at most this
-    prefill_tokens_per_s: float = 10000.0  # replica prefill speed, for predicted TTFT (learned when scraped)
+    prefill_tokens_per_s: float = 10000.0  # replica prefill speed, for predicted TTFT: the start value, then
+                                           # learned from saturated engines (admission/prefill_rate.py)
     ttft_target_s: float = 2.0            # keep each replica's predicted prefill backlog under this
     decode_s_per_token: float = 0.02      # for deadline checks: expected time per output token
     max_wait_s: float = 0.0               # longest queue wait; 0 = sidecar.max_queue_wait_ms
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
+    tenant_prefill_share: float = 1.0     # while several tenants are active, the one sending most requests may
+                                          # prefill on at most this share of the replicas at once (at least 1);
+                                          # 1 = no limit; 0.5 keeps a quiet tenant's TTFT near its solo value
+                                          # under a flood, at the flood's throughput (P1f)
     priorities: list[str] = field(default_factory=lambda: list(PRIORITIES))  # highest first
     affinity_slack: float = 0.0           # prefer the prompt-prefix replica if its score is within this share
     score_kv_weight: float = 1.0          # score = predicted TTFT / target + kv_weight * KV fraction after
@@ -97,6 +102,7 @@ def admission_policy_from_dict(data: dict[str, Any], default_max_wait_s: float) 
     _check(policy.prefill_tokens_per_s > 0, "prefill_tokens_per_s must be > 0")
     _check(policy.ttft_target_s > 0, "ttft_target_s must be > 0")
     _check(all(w > 0 for w in policy.tenant_weights.values()), "tenant_weights must be > 0")
+    _check(0 < policy.tenant_prefill_share <= 1, "tenant_prefill_share must be in (0, 1]")
     _check(set(policy.priorities) == set(PRIORITIES), f"priorities must be an ordering of {list(PRIORITIES)}")
     if policy.max_wait_s <= 0:
         policy.max_wait_s = default_max_wait_s

@@ -56,14 +56,37 @@ class FairQueue:
         dq.append(w)
         self.size += 1
 
-    def peek(self) -> Waiter | None:
-        """The next request to dispatch: highest priority first, then the lowest virtual counter."""
+    def peek(self, skip: set[str] | None = None) -> Waiter | None:
+        """The next request to dispatch: highest priority first, then the lowest virtual counter. Tenants in
+        `skip` (held at their prefill share) are passed over, so the next tenant in fair order may go."""
+        vt = self.vtime
         for level in self.levels:
-            if level:
-                vt = self.vtime
+            if not level:
+                continue
+            if skip is None:
                 tenant = min(level, key=lambda t: vt.get(t, 0.0)) if len(level) > 1 else next(iter(level))
                 return level[tenant][0]
+            ready = [t for t in level if t not in skip]
+            if ready:
+                return level[min(ready, key=lambda t: vt.get(t, 0.0))][0]
         return None
+
+    def ahead_of(self, tenant: str, priority: int) -> int:
+        """About how many queued requests a new one of `tenant` would wait behind: every one of a higher
+        priority, and of its own priority what the fair share lets other tenants send first (per tenant, as many
+        weighted requests as this tenant has queued plus this one). A quiet tenant's request is not behind a
+        flooding tenant's whole backlog, and an early shed must not pretend it is."""
+        ahead = sum(sum(len(dq) for dq in self.levels[p].values()) for p in range(priority))
+        level = self.levels[priority]
+        own = level.get(tenant)
+        mine = (len(own) if own is not None else 0) + 1
+        w_own = self.weights.get(tenant, 1.0)
+        for t, dq in level.items():
+            if t == tenant:
+                ahead += len(dq)
+            else:
+                ahead += min(len(dq), int(mine * self.weights.get(t, 1.0) / w_own + 0.999))
+        return ahead
 
     def has_waiting_at_or_above(self, priority: int) -> bool:
         return any(self.levels[p] for p in range(priority + 1))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from extproc.admission import metrics as am
 from extproc.admission.policy import AdmissionPolicy
+from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
 from extproc.request import PRIORITIES, LLMRequest
 from extproc.routing.placement import Placer
@@ -93,7 +94,14 @@ class Scheduler:
         self.service_s = [0.0] * n  # EWMA of dispatch-to-release time, per lane
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
+        self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1))
         self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
+
+    def on_scrape(self, now: float) -> None:
+        """After a scrape round: the placer's prefill speed follows what the engines showed they can do."""
+        rate = self.prefill.update(self.pool.replicas, now)
+        self.placer.rate = rate
+        self.m.prefill_rate(rate)
 
     # ---- submit ----------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:
@@ -115,12 +123,13 @@ class Scheduler:
                        retry_after_s=self.retry_after(lane, now), should_retry=False)
         prio = self.prio_index.get(req.priority, 0)
         queue = self.queues[lane]
+        self.placer.note_tenant(req.tenant, now)
         if not queue.has_waiting_at_or_above(prio):
             placed = self._try_place(req, lane, now)
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
-        expected = self._expected_wait(lane, now)
+        expected = self._expected_wait(lane, now, queue.ahead_of(req.tenant, prio))
         if expected is not None and expected * WAIT_SAFETY > wait_budget:
             # Waiting cannot help: say so now (P1: shed early, in milliseconds, not after a futile wait).
             self.m.shed(lane, "wait_exceeds_deadline")
@@ -143,6 +152,9 @@ class Scheduler:
                         enqueued=now, future=asyncio.get_running_loop().create_future())
         queue.push(waiter)
         self.m.queued(lane, prio, +1)
+        # The fair order may put it first, or pass over a tenant held at its prefill share (a quiet tenant behind
+        # a flood's held backlog): try now, not at the next timer tick (P1f).
+        self.kick(now)
         self._arm_timer()
         return waiter
 
@@ -168,9 +180,9 @@ class Scheduler:
             rate = self.lane_requests[lane] / self.service_s[lane]
         return rate
 
-    def _expected_wait(self, lane: int, now: float) -> float | None:
-        """Queue ahead / drain rate of the lane; None when there is no queue or no rate known yet."""
-        ahead = len(self.queues[lane])
+    def _expected_wait(self, lane: int, now: float, ahead: int) -> float | None:
+        """The requests this one would wait behind (fair order, `FairQueue.ahead_of`) / drain rate of the lane;
+        None when there is no queue or no rate known yet."""
         if not ahead:
             return None
         rate = self.drain_rate(lane, now)
@@ -205,16 +217,22 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         dispatched = 0
         for lane, queue in enumerate(self.queues):
+            held: set[str] | None = None  # tenants at their prefill share: the next tenant in fair order may go
             while queue.size:
-                w = queue.peek()
-                assert w is not None
+                w = queue.peek(held)
+                if w is None:
+                    break
                 if w.future.done():  # cancelled or expired but not yet removed
                     queue.remove(w)
                     self.m.queued(lane, w.priority, -1)
                     continue
                 placed = self._try_place(w.req, lane, now)
                 if placed is None:
-                    break
+                    if not self.placer.tenant_full(w.tenant, now):
+                        break  # the pool is full: nothing else fits either
+                    held = held or set()
+                    held.add(w.tenant)
+                    continue
                 queue.pop(w)
                 self.m.queued(lane, w.priority, -1)
                 self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)

@@ -6,7 +6,7 @@ A replica fits a request when, with the request added, it stays within every lim
   running this sidecar's requests on it < max_concurrency x weight
   prefill predicted prefill backlog + prompt <= prefill rate x TTFT target x weight (an idle replica always
           takes one prompt, however long)
-  lane    dedicated replicas, and at most max_replica_share of the replicas busy with the lane (P3)
+  lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
   fresh   its metrics are recent (stale metrics count as saturated)
 Among fitting replicas the lowest score wins:
   score = predicted TTFT / TTFT target + kv_weight x KV fraction after placing + waiting_weight x engine waiting
@@ -14,10 +14,27 @@ Among fitting replicas the lowest score wins:
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
+
+A confined lane's share counts replicas *prefilling* its prompts (predicted from the prefill backlog), not
+replicas holding one: short requests are hurt by a long prefill, not by a long context decoding (P3). While the
+share is taken, a request of the lane waits in the sidecar's queue instead of stacking behind a replica's long
+prefill (the engine would prefill them one after another anyway), and once a prefill ends it goes to the best
+replica by score. Stacking made the same half of the pool hold every long context: KV spread 0.29 in P7 against
+0.12 now (P7).
+
+Tenants get the same kind of share (P1f): while more than one tenant is active (a request seen within the last
+TENANT_ACTIVE_S), the dominant tenant may be prefilling on at most max(1, tenant_prefill_share x routable
+replicas) at once.
+The fair queue already puts a quiet tenant's request first, but a replica prefills in arrival order: if every
+replica is busy with the flooding tenant's prompts, the quiet one's prompt shares the step with one of them and
+its TTFT doubles. The share keeps replicas free of the dominant tenant's prefill. Only the tenant sending more
+than DOMINANT_SHARE of the recent requests is held, a tenant alone never is; at its share it may still queue
+behind its own prefills (its replicas stay busy), and its other requests wait in the fair queue (not shed).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Callable
 
@@ -27,10 +44,14 @@ from extproc.routing.pool import EJECTED, Pool, Replica
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
 WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
+TENANT_ACTIVE_S = 2.0  # a tenant with a request seen this recently counts as active for the tenant share
+DOMINANT_SHARE = 0.5  # a tenant sending more than this share of the recent requests may be held at its share
+MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants idle for TENANT_ACTIVE_S go
+MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
-NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE = (
-    "not_routable", "stale", "kv_full", "engine_queue", "concurrency", "prefill_backlog", "lane")
+NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
+    "not_routable", "stale", "kv_full", "engine_queue", "concurrency", "prefill_backlog", "lane", "tenant_share")
 
 
 class Placer:
@@ -49,16 +70,24 @@ class Placer:
                 r.kv_capacity_tokens = policy.kv_capacity_tokens
             if len(r.lane_inflight) != n_lanes:  # a reload keeps the counts of requests still in flight
                 r.lane_inflight = [0] * n_lanes
-        # Replicas with at least one request of the lane in flight. Kept on the Pool, so the placer of a reload and
-        # the one that placed requests still in flight count the same releases.
-        # Recounted from the pool's current replicas (a reload may have removed some).
-        pool.lane_busy[:] = [sum(1 for r in pool.replicas if r.lane_inflight[i] > 0) for i in range(n_lanes)]
-        self.lane_busy = pool.lane_busy
+            if len(r.lane_prefill_until) != n_lanes:
+                r.lane_prefill_until = [0.0] * n_lanes
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
+        # Per lane: how many replicas may prefill it at once (0 = not confined). Fixed per placer: a reload that
+        # changes the replicas builds a new one.
+        self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in policy.lanes]
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
         self._confined_above = [[i for i in confined if i > lane] for lane in range(n_lanes)]
         self.last_reasons: dict[str, int] = {}
+        self.tenant_share = policy.tenant_prefill_share
+        # The two most recent tenants seen (O(1) "is another tenant active?"): the latest tenant and when it was
+        # seen, and when any other tenant was last seen.
+        self._last_tenant = ""
+        self._last_at = self._other_at = float("-inf")
+        # Arrivals per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (count, as of).
+        self._tenant_rate: dict[str, tuple[float, float]] = {}
+        self._total = (0.0, 0.0)
 
     # ---- estimates -------------------------------------------------------------------------------------
     def backlog(self, r: Replica, now: float) -> float:
@@ -89,8 +118,6 @@ class Placer:
         lane_set = self._lane_sets[lane]
         if lane_set and r.address not in lane_set:
             return LANE
-        if r.lane_inflight[lane] == 0 and self.lane_busy[lane] >= self._lane_replica_cap(lane):
-            return LANE
         if r.inflight_requests >= max(1, int(pol.max_concurrency_per_replica * w)):
             return CONCURRENCY
         if r.engine.waiting > pol.max_waiting_per_replica:
@@ -103,11 +130,64 @@ class Placer:
             return PREFILL
         return None
 
-    def _lane_replica_cap(self, lane: int) -> int:
-        share = self.policy.lanes[lane].max_replica_share
+    def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:
-            return 1 << 30  # not confined
+            return 0  # not confined
         return max(1, int(share * len(self.pool.replicas)))
+
+    def lane_full(self, lane: int, now: float) -> bool:
+        """A confined lane already has its share of replicas prefilling its prompts (P3): a request of it waits."""
+        cap = self._lane_caps[lane]
+        if not cap:
+            return False
+        prefilling = 0
+        for r in self.pool.replicas:
+            if r.lane_prefill_until[lane] > now:
+                prefilling += 1
+        return prefilling >= cap
+
+    def note_tenant(self, tenant: str, now: float) -> None:
+        """A request of `tenant` arrived: decayed arrival counts (tenant and total) say who dominates, and the
+        two most recent tenants say whether more than one is active."""
+        if self.tenant_share >= 1:
+            return
+        if tenant != self._last_tenant:
+            self._other_at = self._last_at
+            self._last_tenant = tenant
+        self._last_at = now
+        self._total = (self._decayed(self._total, now) + 1.0, now)
+        seen = self._tenant_rate.get(tenant)
+        if seen is None and len(self._tenant_rate) >= MAX_TRACKED_TENANTS:
+            self._tenant_rate = {t: v for t, v in self._tenant_rate.items() if now - v[1] < TENANT_ACTIVE_S}
+        self._tenant_rate[tenant] = ((self._decayed(seen, now) if seen else 0.0) + 1.0, now)
+
+    @staticmethod
+    def _decayed(v: tuple[float, float], now: float) -> float:
+        return v[0] * math.exp((v[1] - now) / TENANT_ACTIVE_S)
+
+    def tenant_full(self, tenant: str, now: float) -> bool:
+        """The tenant sends most of the recent requests while another tenant is active, and is prefilling on its
+        share of the replicas (or more): it may take no other replica, so replicas stay free of its prefill for
+        the others (P1f). A quieter tenant is never held, nor a tenant alone."""
+        return self._tenant_over(tenant, now) >= 0
+
+    def _tenant_over(self, tenant: str, now: float) -> int:
+        """Replicas the tenant is prefilling on beyond its share: 0 at it, negative within it or when not limited."""
+        if self.tenant_share >= 1:
+            return -1
+        other = self._other_at if tenant == self._last_tenant else self._last_at
+        if other < now - TENANT_ACTIVE_S:
+            return -1  # alone: never limited
+        seen = self._tenant_rate.get(tenant)
+        if seen is None or self._decayed(seen, now) <= DOMINANT_SHARE * self._decayed(self._total, now):
+            return -1  # not the dominant tenant
+        prefilling = routable = 0
+        for r in self.pool.replicas:
+            if r.routable:
+                routable += 1
+                if r.tenant_prefill_until.get(tenant, 0.0) > now:
+                    prefilling += 1
+        return prefilling - max(1, int(self.tenant_share * routable + 1e-9))
 
     def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0) -> float:
         pol = self.policy
@@ -134,7 +214,20 @@ class Placer:
         affinity = self._affinity(req) if self.policy.affinity_slack > 0 else None
         reasons = self.last_reasons
         reasons.clear()
+        if self.lane_full(lane, now):
+            reasons[LANE] = len(self.pool.replicas)
+            return None
+        # At its share, a dominant tenant may still queue behind its own prefills (keeps its replicas busy), but
+        # takes no other replica; beyond it (it spread before it dominated), it waits until enough prefills end.
+        over = self._tenant_over(req.tenant, now)
+        if over > 0:
+            reasons[TENANT] = len(self.pool.replicas)
+            return None
+        tenant = req.tenant if over == 0 else None
         for r in self.pool.replicas:
+            if tenant is not None and r.tenant_prefill_until.get(tenant, 0.0) <= now:
+                reasons[TENANT] = reasons.get(TENANT, 0) + 1
+                continue
             why = self.why_not(r, req, lane, now)
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
@@ -163,12 +256,17 @@ class Placer:
         r.place(req.total_tokens, req.prompt_tokens)
         r.prefill_backlog = self.backlog(r, now) + req.prompt_tokens
         r.prefill_at = now
-        if r.lane_inflight[lane] == 0:
-            self.lane_busy[lane] += 1
+        r.lane_prefill_until[lane] = now + r.prefill_backlog / self.rate  # prompts ahead of it prefill first
         r.lane_inflight[lane] += 1
+        if self.tenant_share < 1:
+            until = r.tenant_prefill_until
+            if len(until) >= MAX_TENANT_ENTRIES and req.tenant not in until:
+                for t in [t for t, end in until.items() if end <= now]:
+                    del until[t]
+            until[req.tenant] = r.lane_prefill_until[lane]
 
     def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int) -> None:
         r.release(req.total_tokens, req.prompt_tokens, epoch)
         r.lane_inflight[lane] -= 1
-        if r.lane_inflight[lane] == 0 and self.lane_busy[lane] > 0:
-            self.lane_busy[lane] -= 1
+        if r.lane_inflight[lane] == 0:
+            r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end

@@ -62,6 +62,11 @@ class Replica:
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
     lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
+    # per lane: time.monotonic() until which the prompts of that lane placed here are predicted to be prefilling
+    lane_prefill_until: list[float] = field(default_factory=list)
+    # per tenant: time.monotonic() until which its prompts placed here are predicted to be prefilling (fair share
+    # of prefill across tenants; pruned of ended entries by the placer)
+    tenant_prefill_until: dict[str, float] = field(default_factory=dict)
     served_total: int = 0
     errors_total: int = 0
     peak_tps: float = 0.0               # token throughput (prompt + generated) the last time it was busy
@@ -123,7 +128,6 @@ class Pool:
     cluster: str
     replicas: list[Replica] = field(default_factory=list)
     metrics_style: str = "vllm"
-    lane_busy: list[int] = field(default_factory=list)  # per lane: replicas with a request of it in flight
 
     @classmethod
     def from_config(cls, cfg: PoolConfig) -> "Pool":

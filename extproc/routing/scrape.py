@@ -65,6 +65,8 @@ class ScrapedState(EngineState):
     preemptions_window: float = 0.0   # preemptions within the window (P9: stop routing to a preempting replica)
     prefix_hit_rate: float = 0.0      # prefix-cache hit share within the window (vLLM) or SGLang's gauge
     restarted: bool = False           # a counter went down since the previous scrape: the engine restarted
+    prompt_tokens_total: float = -1.0  # the engine's prompt-token counter (-1: not exported); admission
+                                       # learns the prefill speed from it
 
 
 class Parsed:
@@ -426,6 +428,7 @@ def build_state(now: float, p: Parsed, hist: History) -> ScrapedState:
         errors_total=p.errors or 0.0,
         scrape_failures=0,
         restarted=restarted,
+        prompt_tokens_total=-1.0 if p.prompt_tokens is None else p.prompt_tokens,
     )
     hist.fill(st, p)
     return st

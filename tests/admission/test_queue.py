@@ -79,3 +79,14 @@ def test_remove_and_evict():
     assert q.remove(b) and not q.remove(b)
     assert len(q) == 2
     assert q.lowest_priority_newest(below=2) is None
+
+
+def test_ahead_of_counts_the_fair_share_not_the_whole_backlog():
+    q = FairQueue(2, {})
+    for i in range(50):
+        q.push(waiter("flood", t=i))
+    assert q.ahead_of("quiet", 0) == 1  # one flood request per quiet one: not behind all 50
+    assert q.ahead_of("flood", 0) == 50
+    q.push(waiter("quiet", t=60))
+    assert q.ahead_of("quiet", 0) == 1 + 2
+    assert q.ahead_of("quiet", 1) == 51  # a lower priority waits behind every higher one

@@ -108,16 +108,19 @@ async def test_pool_down_sheds_503():
 
 
 async def test_long_lane_confined_to_a_share_of_replicas():
-    """P3: long prompts occupy at most half of the replicas; short ones always find one free of long work."""
-    s = make(n_replicas=2, prefill_tokens_per_s=1e9, kv_capacity_tokens=1_000_000,
+    """P3: long prompts prefill on at most half of the replicas at once; short ones always find one free of a long
+    prefill. P7: a second long prompt waits for that prefill to end instead of stacking behind it."""
+    s = make(n_replicas=2, prefill_tokens_per_s=20_000.0, kv_capacity_tokens=1_000_000,
              lanes=[{"name": "short", "max_prompt_tokens": 1000},
                     {"name": "long", "max_prompt_tokens": 1 << 30, "max_replica_share": 0.5}])
-    first = s.submit(req(prompt=50_000, out=10), 0.0)
+    first = s.submit(req(prompt=50_000, out=10), 0.0)  # 2.5 s of prefill
     second = s.submit(req(prompt=50_000, out=10), 0.0)
     assert isinstance(first, Placement)
-    assert isinstance(second, Placement) and second.replica is first.replica  # same replica, not the other
+    assert isinstance(second, Waiter)  # not on the other replica, and not stacked on the first
     short = s.submit(req(prompt=100, out=10), 0.0)
     assert isinstance(short, Placement) and short.replica is not first.replica
+    assert s.kick(now=3.0) == 1  # the first prefill is done: the second goes to the replica with less KV
+    assert second.future.result().replica is not first.replica
 
 
 async def test_prefill_backlog_spreads_and_predicts_ttft():
@@ -139,7 +142,7 @@ async def test_release_restores_every_counter():
     s.release(p, r)
     assert all(x.inflight_requests == 0 and x.inflight_tokens == 0 for x in s.pool.replicas)
     assert s.lane_requests == [0] * len(s.lane_requests) and s.lane_tokens == [0] * len(s.lane_tokens)
-    assert s.placer.lane_busy == [0] * len(s.placer.lane_busy)
+    assert all(x.lane_inflight == [0] * len(x.lane_inflight) for x in s.pool.replicas)
 
 
 async def test_fairness_across_tenants_in_dispatch_order():
@@ -186,3 +189,27 @@ async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
             s.submit(req(), 2.0)
     assert exc.value.code == "queue_wait_exceeds_deadline"
     assert exc.value.status == 429 and exc.value.retry_after_s >= 1.0
+
+
+async def test_a_flood_held_at_its_prefill_share_stays_queued_and_a_quiet_tenant_goes_first():
+    """P1f: the dominant tenant waits in the fair queue (not shed) while it prefills on its share of the
+    replicas; a quiet tenant's request arriving behind that backlog is dispatched at once, on a free replica."""
+    s = make(n_replicas=2, prefill_tokens_per_s=10_000.0, kv_capacity_tokens=1_000_000, ttft_target_s=0.3,
+             tenant_prefill_share=0.5)
+    s.submit(req(tenant="quiet"), 0.0)  # the quiet tenant is active (its 100-token prefill ends at 0.01 s)
+    first = s.submit(req(prompt=2000, tenant="flood"), 0.1)
+    assert isinstance(first, Placement)
+    held = [s.submit(req(prompt=2000, tenant="flood"), 0.1 + 0.001 * i) for i in range(4)]
+    assert all(isinstance(w, Waiter) and not w.future.done() for w in held)  # queued at its share (1 of 2)
+    quiet = s.submit(req(prompt=2000, tenant="quiet"), 0.11)
+    placed = quiet.future.result() if isinstance(quiet, Waiter) else quiet
+    assert placed.replica is not first.replica
+    # at its share the flood may still queue behind its own prefill (0.1 s of it left), never on quiet's replica
+    assert s.kick(0.2) == 1 and held[0].future.result().replica is first.replica
+    assert not held[1].future.done()
+
+
+def test_tenant_prefill_share_is_validated():
+    with pytest.raises(ValueError, match="admission.tenant_prefill_share"):
+        admission_policy_from_dict({"tenant_prefill_share": 0}, 1.0)
+    assert admission_policy_from_dict({"tenant_prefill_share": 1.0}, 1.0).tenant_prefill_share == 1.0

@@ -169,6 +169,8 @@ def test_client_cannot_pin_itself(stack: Stack):
     c = client(stack, default_headers={"x-gateway-destination-endpoint": target, "x-sluice-pool": "pool-x"})
     served = []
     for _ in range(4):
+        # idle pool at each request: a request's slots are released when Envoy's access log reports its end
+        assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
         raw = c.chat.completions.with_raw_response.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
         served.append(raw.headers["x-sim-replica"])

@@ -123,11 +123,9 @@ async def test_apply_policy_under_concurrent_load() -> None:
     # nothing left counted, on any replica that ever existed (removed ones included), in any scheduler
     for r in seen.values():
         assert (r.inflight_requests, r.inflight_tokens, r.inflight_prompt_tokens) == (0, 0, 0), r
-        assert not any(r.lane_inflight), (r.address, r.lane_inflight)
+        assert not any(r.lane_inflight) and not any(r.lane_prefill_until), (r.address, r.lane_inflight)
         assert metric_value("sluice_inflight_requests", r.pool, r.address) == 0, r.address
         assert metric_value("sluice_inflight_tokens", r.pool, r.address) == 0, r.address
-    for pool in gw.pools.values():
-        assert not any(gw.placers[pool.model].lane_busy), pool.model
     for sched in gw.schedulers.values():
         assert sched.queued_total() == 0 and sum(sched.lane_requests) == 0 and sum(sched.lane_tokens) == 0
     assert gw.identity.open_streams == {}
@@ -155,7 +153,7 @@ async def test_reload_keeps_lane_counters_of_inflight_requests() -> None:
     assert replica.lane_inflight[placement.lane] == 1, "the reload forgot a request in flight"
     placement.owner.release(placement, req)
     assert replica.lane_inflight == [0] * len(replica.lane_inflight)
-    assert gw.placers[POOL].lane_busy == [0] * len(replica.lane_inflight)
+    assert replica.lane_prefill_until == [0.0] * len(replica.lane_inflight)
 
 
 # ---- end to end: SIGHUP ------------------------------------------------------------------------------------

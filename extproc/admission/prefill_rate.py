@@ -1,0 +1,138 @@
+"""How fast the replicas really prefill, learned from their own counters (P1).
+
+The placer's prefill-backlog gate admits prompt tokens at `prefill_tokens_per_s` per replica. A fixed value is
+wrong for most prompt mixes: prefill cost per token grows with the prompt (attention), so one speed is
+pessimistic for short prompts and optimistic for long ones. Too pessimistic, and the gate starves the replicas
+during a burst while the sidecar sheds work they could have done in time (measured in P1: the pool took 22 of
+its ~70 requests/s). This module measures the speed instead.
+
+A measurement is the engine's prompt-token counter over one scrape interval that began with a non-empty
+engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty at the
+end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower bound
+(it can raise the estimate, never lower it). Lower bounds matter: the gate itself keeps the engines' queues
+short, so with a pessimistic speed an engine is saturated only for a moment at the start of a burst, and that
+moment must be enough to open the gate. An interval without any engine queue says only how much work was
+sent; but if the engine kept up with nearly the speed the gate assumes and still queued nothing, the gate is
+what limits it: the estimate is probed upwards (x PROBE per scrape) until a queue forms and a real measurement
+takes over. Completed prompts are counted in one lump, so no single scrape may raise a replica's estimate by
+more than MAX_STEP (a long prompt finishing inside a short interval is not a speed).
+
+Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let
+long ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). Each
+measurement remembers the mean prompt size this sidecar had in flight on the replica; when the prompts in
+flight are now larger, the speed is scaled down in proportion (the quadratic-dominated, cautious case), and
+while the replica runs a request of a larger lane than any it ran when measured (a long prompt among short
+ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request of the
+last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
+later, and would read as a burst of speed (measured in P2). It is never scaled up for smaller prompts:
+that is left to measurements and probes. The placer uses one speed for the pool, so the pool's is the slowest
+healthy replica's: the cautious choice when one replica holds a long prompt and the others do not.
+Each replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes
+(the prompt mix may have changed); only healthy replicas count (a sick one's speed is health's business), and
+it stays within a factor of the configured value so a bogus counter cannot open or close the gate entirely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from extproc.routing.pool import HEALTHY, Replica
+
+MIN_SPAN_S = 0.05     # shorter scrape intervals are too noisy to measure a rate over
+ALPHA = 0.5           # weight of a new measurement: a burst lasts about a second, the estimate must follow it
+RELAX_S = 30.0        # time constant back to the configured speed without new measurements
+BOUND = 4.0           # the learned speed stays within [configured / BOUND, configured x BOUND]
+PROBE = 1.15          # upward probe per scrape while the engine keeps up with the gate without a queue
+KEEP_UP = 0.8         # ... "keeps up": it prefilled at least this share of the assumed speed
+MAX_STEP = 1.5        # no scrape raises an estimate by more than this factor
+
+
+@dataclass(slots=True)
+class _Seen:
+    """One replica: its previous scrape and its learned speed."""
+
+    at: float = 0.0            # scraped_at of the previous scrape
+    total: float = -1.0        # prompt tokens counter then (-1: none)
+    waiting: int = 0           # engine waiting queue then
+    rate: float = 0.0          # learned prompt tokens/s (0: never measured)
+    measured_at: float = 0.0
+    prompt: float = 0.0        # mean prompt tokens in flight on the replica when measured (0: unknown)
+    lane: int = -1             # largest lane with a request in flight on the replica when measured
+
+
+class PrefillRate:
+    """Per pool. `update` after every scrape round; `current` is the speed the placer should use."""
+
+    def __init__(self, prior: float, long_lane: int = 1 << 30) -> None:
+        self.prior = prior
+        self.long_lane = long_lane  # no measurement while a request of this lane (or above) is in flight
+        self.seen: dict[str, _Seen] = {}
+
+    def update(self, replicas: list[Replica], now: float) -> float:
+        """Take the new scrapes' measurements; return the pool's prefill speed now."""
+        rates = []
+        for r in replicas:
+            s = self.seen.get(r.address)
+            if s is None:
+                s = self.seen[r.address] = _Seen()
+            self._observe(s, r)
+            if r.state == HEALTHY and r.weight >= 1.0:
+                factor = self._size_factor(s, r)
+                rates.append(self._relaxed(s, now) * factor if factor > 0 else self.prior)
+        return min(rates) if rates else self.prior
+
+    def _observe(self, s: _Seen, r: Replica) -> None:
+        e = r.engine
+        at = e.scraped_at
+        if at <= s.at:
+            return  # no new scrape of this replica
+        total = getattr(e, "prompt_tokens_total", -1.0)
+        span = at - s.at
+        delta = total - s.total
+        if s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0 and _top_lane(r) < self.long_lane:
+            old = self._relaxed(s, at)
+            meas = delta / span
+            if s.waiting > 0 and e.waiting > 0:  # saturated all along: the engine's speed
+                new = (1 - ALPHA) * old + ALPHA * meas
+            elif s.waiting > 0:  # drained within the interval: a lower bound
+                new = max(old, meas)
+            elif e.waiting == 0 and meas >= KEEP_UP * old:  # kept up with the gate, no queue: probe
+                new = old * PROBE
+            else:
+                new = 0.0
+            if new > 0:
+                s.rate, s.measured_at = min(new, old * MAX_STEP), at
+                s.prompt, s.lane = _mean_prompt(r), _top_lane(r)
+        s.at, s.total, s.waiting = at, total, e.waiting
+
+    @staticmethod
+    def _size_factor(s: _Seen, r: Replica) -> float:
+        """Below 1 when the prompts in flight are larger than those the speed was measured with."""
+        if s.rate <= 0:
+            return 1.0
+        if _top_lane(r) > s.lane:
+            return 0.0  # the caller falls back to the configured speed
+        now = _mean_prompt(r)
+        if s.prompt <= 0 or now <= s.prompt:
+            return 1.0
+        return s.prompt / now
+
+    def _relaxed(self, s: _Seen, now: float) -> float:
+        if s.rate <= 0:
+            return self.prior
+        keep = math.exp(-max(0.0, now - s.measured_at) / RELAX_S)
+        rate = self.prior + (s.rate - self.prior) * keep
+        return min(self.prior * BOUND, max(self.prior / BOUND, rate))
+
+
+
+def _mean_prompt(r: Replica) -> float:
+    return r.inflight_prompt_tokens / r.inflight_requests if r.inflight_requests > 0 else 0.0
+
+
+def _top_lane(r: Replica) -> int:
+    for lane in range(len(r.lane_inflight) - 1, -1, -1):
+        if r.lane_inflight[lane] > 0:
+            return lane
+    return -1

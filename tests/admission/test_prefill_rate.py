@@ -1,0 +1,114 @@
+"""Prefill speed learned from saturated engines (P1): measurements, lower bounds, median, relaxation."""
+
+from extproc.admission.prefill_rate import BOUND, PrefillRate
+from extproc.routing.pool import DEGRADED, Replica
+from extproc.routing.scrape import ScrapedState
+
+
+def replicas(n: int = 3) -> list[Replica]:
+    return [Replica(address=f"10.0.0.{i}:8000", pool="m") for i in range(n)]
+
+
+def scrape(rs: list[Replica], at: float, total: float, waiting: int) -> None:
+    for r in rs:
+        r.on_scrape(ScrapedState(scraped_at=at, waiting=waiting, prompt_tokens_total=total))
+
+
+def test_saturated_interval_measures_the_engine_speed():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=3)
+    assert pr.update(rs, 1.0) == 10_000  # nothing measured yet: the configured speed
+    scrape(rs, 1.2, 5_000, waiting=2)  # 25,000/s: averaged in, at most x1.5 per scrape
+    assert abs(pr.update(rs, 1.2) - 15_000) < 1
+    scrape(rs, 1.4, 10_000, waiting=2)
+    assert abs(pr.update(rs, 1.4) - 20_000) < 50  # (the previous value relaxed a little meanwhile)
+
+
+def test_unsaturated_intervals_are_ignored():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=0)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 400, waiting=0)  # only the work sent: says nothing about what could be done
+    assert pr.update(rs, 1.2) == 10_000
+
+
+def test_probes_upwards_while_the_engine_keeps_up_without_a_queue():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=0)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 1_900, waiting=0)  # 9,500/s: the engine took all the gate allowed and queued nothing
+    assert abs(pr.update(rs, 1.2) - 11_500) < 1
+
+
+def test_a_drained_interval_only_raises_the_estimate():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 1_000, waiting=0)  # 5,000/s: a lower bound below the configured speed
+    assert pr.update(rs, 1.2) == 10_000
+    scrape(rs, 1.4, 1_000, waiting=2)
+    pr.update(rs, 1.4)
+    scrape(rs, 1.6, 4_000, waiting=0)  # 15,000/s at least
+    assert abs(pr.update(rs, 1.6) - 15_000) < 1
+
+
+def test_slowest_healthy_replica_sets_the_pace_within_bounds():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    rs[0].on_scrape(ScrapedState(scraped_at=1.2, waiting=2, prompt_tokens_total=1e9))  # a bogus counter
+    rs[1].on_scrape(ScrapedState(scraped_at=1.2, waiting=2, prompt_tokens_total=3_000))
+    rs[2].on_scrape(ScrapedState(scraped_at=1.2, waiting=2, prompt_tokens_total=100))
+    rs[2].state = DEGRADED  # a sick replica's speed is health's business
+    assert abs(pr.update(rs, 1.2) - 12_500) < 1  # 15,000/s averaged in; the bogus one rose at most x1.5
+    for k in range(2, 12):
+        for r, total in ((rs[0], 1e9 * k), (rs[1], 3_000 * k)):
+            r.on_scrape(ScrapedState(scraped_at=1.0 + 0.2 * k, waiting=2, prompt_tokens_total=total))
+        pr.update(rs, 1.0 + 0.2 * k)
+    assert pr.seen[rs[0].address].rate > BOUND * 10_000
+    assert pr._relaxed(pr.seen[rs[0].address], 3.2) <= BOUND * 10_000
+
+
+def test_a_larger_lane_in_flight_than_when_measured_falls_back_to_the_configured_speed():
+    rs, pr = replicas(), PrefillRate(10_000)
+    for r in rs:
+        r.lane_inflight = [0, 1, 0]
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 5_000, waiting=2)
+    assert pr.update(rs, 1.2) > 10_000
+    rs[1].lane_inflight = [0, 1, 1]  # a long prompt now runs on one replica
+    assert pr.update(rs, 1.2) == 10_000
+
+
+def test_relaxes_back_to_the_configured_speed():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 6_000, waiting=2)
+    assert pr.update(rs, 1.2) >= 15_000
+    assert pr.update(rs, 301.2) < 10_100
+
+
+def test_a_speed_learned_on_short_prompts_is_scaled_down_for_longer_ones():
+    rs, pr = replicas(), PrefillRate(10_000)
+    for r in rs:
+        r.place(2_100, 2_000)
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 5_000, waiting=2)
+    learned = pr.update(rs, 1.2)
+    for r in rs:
+        r.release(2_100, 2_000)
+        r.place(25_100, 25_000)  # heavy prompts now: 12.5x larger
+    assert abs(pr.update(rs, 1.2) - learned * 2_000 / 25_000) < 1
+
+
+def test_nothing_is_measured_while_a_long_prompt_is_in_flight():
+    rs, pr = replicas(), PrefillRate(10_000, long_lane=2)
+    for r in rs:
+        r.lane_inflight = [0, 1, 1]
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 25_000, waiting=2)  # a 25,000-token prompt's prefill ended: one lump, not a speed
+    assert pr.update(rs, 1.2) == 10_000

@@ -1,0 +1,100 @@
+"""The tenant share of prefill (P1f): the dominant tenant may prefill on only part of the pool while another
+tenant is active, so a quiet tenant's prompt finds a replica free of the flood's prefill."""
+
+from extproc.admission.policy import admission_policy_from_dict
+from extproc.config import PoolConfig
+from extproc.request import LLMRequest
+from extproc.routing.placement import Placer
+from extproc.routing.pool import Pool, Replica
+
+RATE = 10_000.0  # prompt tokens/s: a 2,000-token prompt prefills in 0.2 s
+NORMAL = 1  # lane of 2,000-token prompts in the default lanes
+
+
+def placer(n: int = 4, **admission) -> Placer:
+    """A placer with the tenant share on at 0.5 (the default, 1.0, is off; see test_share_is_off_by_default)."""
+    pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
+    policy = admission_policy_from_dict({"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE,
+                                         "tenant_prefill_share": 0.5, **admission}, 5.0)
+    return Placer(pool, policy)
+
+
+def req(tenant: str, prompt: int = 2_000) -> LLMRequest:
+    return LLMRequest(request_id="", endpoint="chat", model="m", stream=True, prompt_tokens=prompt,
+                      max_output_tokens=16, tenant=tenant)
+
+
+def place(p: Placer, r: LLMRequest, now: float) -> Replica:
+    p.note_tenant(r.tenant, now)
+    assert not p.tenant_full(r.tenant, now)
+    pins = p.choose(r, NORMAL, now)
+    assert pins is not None
+    p.commit(pins[0], r, NORMAL, now)
+    return pins[0]
+
+
+def test_a_tenant_alone_is_never_limited():
+    p = placer()
+    used = {place(p, req("solo"), 0.01 * i) for i in range(4)}
+    assert len(used) == 4  # every replica prefilling the same tenant: nobody else is waiting for one
+
+
+def test_the_flooding_tenant_is_held_at_its_share_and_the_quiet_one_is_not():
+    p = placer()  # share 0.5 of 4 replicas: the flood prefills on at most 2
+    place(p, req("quiet"), 0.0)  # the quiet tenant was seen (and its prefill ends at 0.2 s)
+    flood = set()
+    for i in range(6):  # the flood sends most of the recent requests
+        p.note_tenant("flood", 0.3 + 0.01 * i)
+    flood.add(place(p, req("flood"), 0.36))
+    flood.add(place(p, req("flood"), 0.36))
+    assert len(flood) == 2
+    assert p.tenant_full("flood", 0.37)  # at its share: its next prompt waits in the queue
+    assert not p.tenant_full("quiet", 0.37)
+    # the quiet tenant's prompt lands on a replica free of the flood's prefill, and starts at once
+    assert place(p, req("quiet"), 0.37) not in flood
+    # once the flood's prefills are predicted to have ended, it may start again
+    assert not p.tenant_full("flood", 0.36 + 0.41)
+
+
+def test_a_quiet_tenant_is_not_held_even_at_the_share_count():
+    p = placer(n=3)  # share 0.5 of 3 replicas: one replica
+    for i in range(10):
+        p.note_tenant("flood", 0.01 * i)
+    place(p, req("quiet"), 0.1)
+    # the quiet tenant prefills on one replica (the share count) but sends few of the requests: not held
+    assert not p.tenant_full("quiet", 0.11)
+
+
+def test_share_one_turns_it_off():
+    p = placer(tenant_prefill_share=1.0)
+    p.note_tenant("quiet", 0.0)
+    for i in range(4):
+        place(p, req("flood"), 0.01 * (i + 1))
+    assert not p.tenant_full("flood", 0.05)
+
+
+def test_another_tenant_idle_for_a_while_no_longer_limits():
+    p = placer()
+    p.note_tenant("quiet", 0.0)
+    for i in range(4):
+        p.note_tenant("flood", 5.0 + 0.01 * i)
+    held = {place(p, req("flood"), 5.05) for _ in range(4)}
+    assert len(held) == 4  # quiet's last request is 5 s old: the flood is alone and uses the whole pool
+
+
+def test_a_tenant_that_spread_before_it_dominated_waits_until_it_is_back_within_its_share():
+    p = placer()  # share 0.5 of 4: two replicas
+    for i in range(4):  # quiet first, then the flood's first requests land before it is the dominant tenant
+        p.note_tenant("quiet", 0.001 * i)
+    spread = {place(p, req("flood"), 0.01 + 0.001 * i) for i in range(3)}
+    assert len(spread) == 3
+    for i in range(10):
+        p.note_tenant("flood", 0.02 + 0.001 * i)
+    # prefilling on 3 replicas, over its share of 2: it may not even queue behind its own prefills
+    assert p.choose(req("flood", prompt=100), NORMAL, 0.05) is None
+    assert not p.tenant_full("quiet", 0.05)
+
+
+def test_share_is_off_by_default() -> None:
+    """Holding a dominant tenant costs its throughput (P1f), so it is opt-in."""
+    assert admission_policy_from_dict({}, 5.0).tenant_prefill_share == 1.0
