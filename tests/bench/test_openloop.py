@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -87,9 +88,8 @@ async def test_should_retry_false_stops_sdk_and_business_retries():
     assert calls == 1 and records[0].status == 429 and records[0].should_retry == "false"
 
 
-async def test_timeouts_and_disconnects_reach_the_server():
-    cancelled = asyncio.Event()
-
+def _endless(cancelled: asyncio.Event) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A replica that streams 1,000 tokens, 20 ms apart, and sets `cancelled` when its client goes away."""
     async def endless(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
@@ -101,8 +101,12 @@ async def test_timeouts_and_disconnects_reach_the_server():
             cancelled.set()
             raise
         return resp
+    return endless
 
-    runner, url = await _server(endless)
+
+async def test_timeouts_and_disconnects_reach_the_server():
+    cancelled = asyncio.Event()
+    runner, url = await _server(_endless(cancelled))
     try:
         arrivals = [Arrival(at=0.0, body={}, client=ClientSpec(cancel_after_tokens=3)),
                     Arrival(at=0.0, body={}, client=ClientSpec(timeout_s=0.3))]
@@ -168,20 +172,7 @@ async def test_lingering_client_times_out_but_keeps_reading_and_counts_late_toke
 
 async def test_linger_is_bounded_by_its_cap_and_closes_the_connection():
     cancelled = asyncio.Event()
-
-    async def endless(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        try:
-            for i in range(1000):
-                await resp.write(_sse(i))
-                await asyncio.sleep(0.02)
-        except (asyncio.CancelledError, ConnectionResetError):
-            cancelled.set()
-            raise
-        return resp
-
-    runner, url = await _server(endless)
+    runner, url = await _server(_endless(cancelled))
     try:
         spec = ClientSpec(timeout_s=0.2, linger_s=0.3)
         t = time.monotonic()
@@ -196,20 +187,7 @@ async def test_linger_is_bounded_by_its_cap_and_closes_the_connection():
 
 async def test_run_deadline_ends_lingering_connections():
     cancelled = asyncio.Event()
-
-    async def endless(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        try:
-            for i in range(1000):
-                await resp.write(_sse(i))
-                await asyncio.sleep(0.02)
-        except (asyncio.CancelledError, ConnectionResetError):
-            cancelled.set()
-            raise
-        return resp
-
-    runner, url = await _server(endless)
+    runner, url = await _server(_endless(cancelled))
     try:
         spec = ClientSpec(timeout_s=0.1, linger_s=60.0)
         t = time.monotonic()
