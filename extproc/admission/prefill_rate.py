@@ -28,7 +28,9 @@ later, and would read as a burst of speed (measured in P2). It is never scaled u
 that is left to measurements and probes. The placer uses one speed for the pool, so the pool's is the slowest
 healthy replica's: the cautious choice when one replica holds a long prompt and the others do not.
 Each replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes
-(the prompt mix may have changed); only healthy replicas count (a sick one's speed is health's business), and
+(the prompt mix may have changed); only healthy replicas count (a sick one's speed is health's business), a replica
+that leaves HEALTHY forgets what it learned (after an outage the old speed let the recovered engines' queues
+overflow: measured in P6), and
 it stays within a factor of the configured value so a bogus counter cannot open or close the gate entirely.
 """
 
@@ -76,6 +78,8 @@ class PrefillRate:
             s = self.seen.get(r.address)
             if s is None:
                 s = self.seen[r.address] = _Seen()
+            if r.state != HEALTHY:
+                s.rate = 0.0  # sick, ejected or restarting: its speed is learned again from the configured one (P6)
             self._observe(s, r)
             if r.state == HEALTHY and r.weight >= 1.0:
                 factor = self._size_factor(s, r)

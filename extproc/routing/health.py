@@ -95,6 +95,9 @@ class _Outcomes:
         while b and b[0][0] + 1 <= oldest:
             b.popleft()
 
+    def clear(self) -> None:
+        self.buckets.clear()
+
     def counts(self, now: float) -> tuple[int, int]:
         self._prune(now)
         total = errors = 0
@@ -357,6 +360,10 @@ class HealthTracker:
         tr.step = 0
         tr.step_since = now
         tr.fallback = code == POOL_FALLBACK
+        if code in (REACHABLE, RESTARTED):
+            # Back after an outage: the failures in the error window are the outage's (already acted on by the
+            # ejection). Judged on them, slow start relapsed at once and the replica sat out ejected_min_s (P6).
+            tr.outcomes.clear()
         tr.metrics.state(to, r.weight)
         tr.metrics.transition(frm, to, code)
         level = logging.WARNING if to in (DEGRADED, EJECTED) else logging.INFO

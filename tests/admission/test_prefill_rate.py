@@ -112,3 +112,21 @@ def test_nothing_is_measured_while_a_long_prompt_is_in_flight():
     pr.update(rs, 1.0)
     scrape(rs, 1.2, 25_000, waiting=2)  # a 25,000-token prompt's prefill ended: one lump, not a speed
     assert pr.update(rs, 1.2) == 10_000
+
+
+def test_a_replica_that_left_healthy_forgets_its_learned_speed():
+    """P6: after an outage the pre-crash speed (learned under a burst) let the recovered replicas' queues overflow;
+    a replica back from DEGRADED/EJECTED/RECOVERING learns again from the configured speed."""
+    from extproc.routing.pool import EJECTED, HEALTHY
+
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=3)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 5_000, waiting=2)
+    assert pr.update(rs, 1.2) > 14_000
+    for r in rs:
+        r.state = EJECTED
+    assert pr.update(rs, 1.3) == 10_000  # no healthy replica: the configured speed
+    for r in rs:
+        r.state = HEALTHY
+    assert pr.update(rs, 1.4) == 10_000  # back, and nothing learned since: not the old 15,000

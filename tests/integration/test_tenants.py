@@ -65,6 +65,10 @@ def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack
             globex_results = asyncio.gather(*(one(globex) for _ in range(2)))
             return await acme_results, await globex_results
 
+    from .conftest import metric_sum, wait_for
+
+    # the previous test's request holds its slot until Envoy's access log reports its end (up to one 100 ms flush)
+    assert wait_for(lambda: metric_sum(auth_stack.metrics_url, "sluice_tenant_open_streams") == 0)
     acme, globex = asyncio.run(run())
     assert acme.count("ok") == 2 and acme.count("limited") == 3
     assert globex == ["ok", "ok"]

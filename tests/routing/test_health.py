@@ -326,6 +326,33 @@ def test_crash_then_recover_enters_slow_start_not_healthy():
     assert transitions(pool, a, EJECTED, RECOVERING, "restarted") == 1.0
 
 
+def test_outage_failures_do_not_relapse_the_slow_start_that_follows_it():
+    """Regression (P6): the requests that failed when the replica crashed were still in the error window when it
+    answered again, so slow start relapsed on the first evaluation and the replica sat out ejected_min_s."""
+    pool, tr = make()
+    a, b = pool.replicas
+    round_(pool, tr, 0.0)
+    for i in range(8):
+        tr.on_outcome(a.address, "completed", 0.5)
+    for i in range(6):                       # the crash: in-flight requests fail (6/14 > 20 %)
+        tr.on_outcome(a.address, "failed", 1.0)
+    for i in range(1, 6):
+        fail_scrapes(a, 1)
+        scrape(b, 1.0 + i * 0.2)
+        tr.on_scrape_round(1.0 + i * 0.2)
+    assert a.state == EJECTED
+    scrape(a, 4.0, samples=0, running=0)     # back 3 s later, well within the 10 s error window
+    scrape(b, 4.0)
+    tr.on_scrape_round(4.0)
+    assert a.state == RECOVERING and a.weight == 0.1
+    scrape(a, 4.2, samples=0, running=0)
+    scrape(b, 4.2)
+    tr.on_scrape_round(4.2)
+    assert a.state == RECOVERING, a.state_reason
+    tr.on_outcome(a.address, "failed", 4.5)  # failures after the return still count
+    assert tr.error_counts(a, 4.5) == (1, 1)
+
+
 def test_back_after_a_short_outage_while_degraded_enters_slow_start():
     pool, tr = make()
     a = pool.replicas[0]
