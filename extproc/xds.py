@@ -108,6 +108,7 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions,
     HttpProtocolOptionsExplicitHttpConfig,
 )
+from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.envoy.type.metadata.v3 import MetadataKeyPathSegment, MetadataKey
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as PbAny, Struct
@@ -370,8 +371,6 @@ def _wrong_content_type_route(path: str) -> Route:
     """A body that says it is not JSON (text/plain, form-encoded ...) is refused by Envoy with a JSON 415 before it
     is buffered or reaches the sidecar: vLLM would answer FastAPI's 422 in a non-OpenAI shape. A missing
     content-type is accepted, as vLLM does."""
-    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
-
     json_ct = StringMatcher(prefix="application/json", ignore_case=True)
     return Route(
         name=f"wrong-content-type{path}",

@@ -103,7 +103,7 @@ class Budgets:
         self._memory = self.store if isinstance(self.store, MemoryStore) else None
         self.retry = RetryBudget(policy.retry)
         self.tasks = TaskBudget(policy.tasks)
-        self.tenants = TenantBudget(policy.tenants, label=label_tenant) if label_tenant else TenantBudget(policy.tenants)
+        self.tenants = TenantBudget(policy.tenants, label=label_tenant)
         self.prompt_shift = PromptShiftTracker(policy.prompt_shift, capacity_tokens_per_s)
         self._tokens = itertools.count(1)
         self._token_prefix = os.urandom(6).hex() + "-"

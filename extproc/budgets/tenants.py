@@ -44,12 +44,12 @@ def _same(tenant: str) -> str:
 
 class TenantBudget:
     def __init__(self, policy: TenantPolicy, max_tenants: int = 256,
-                 label: Callable[[str], str] = _same) -> None:
+                 label: Callable[[str], str] | None = None) -> None:
         """`label` is the gateway's bounded tenant label (`Identity.label`, `tenants.label_tenants`), so these
         counters name the same tenants as every other tenant metric; `max_tenants` stays as a backstop."""
         self.policy = policy
         self.enabled = policy.enabled
-        self._label = label
+        self._label = label or _same
         self._tokens = metrics.BoundedLabels(metrics.TENANT_TOKENS, max_tenants)
         self._rejections = metrics.BoundedLabels(metrics.TENANT_REJECTIONS, max_tenants)
 
