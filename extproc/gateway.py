@@ -254,7 +254,11 @@ class Gateway:
             self.scraper.pools[:] = [p for p in new_pools.values() if p.metrics_style != "none"]
         self.schedulers = {name: Scheduler(pool, admission, self.placers[name]) for name, pool in new_pools.items()}
         for name, old_sched in old_schedulers.items():
-            self._migrate_queue(old_sched, self.schedulers.get(name))
+            new_sched = self.schedulers.get(name)
+            if new_sched is not None and admission.calibrate_prompt_tokens:
+                new_sched.calibration = old_sched.calibration  # what the engines counted still holds
+                new_sched.calibration.enabled = True
+            self._migrate_queue(old_sched, new_sched)
         if budget_policy != self.budgets.policy:
             self.budgets = Budgets(budget_policy, capacity_tokens_per_s=self.capacity_tokens_per_s,
                                    sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
@@ -459,6 +463,7 @@ class Gateway:
         except UnknownKey:
             return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
                                                 "invalid_api_key", err_type="authentication_error"))
+        self.schedulers[pool.model].calibrate(req)
         self._fill_identity(req, head, st.start)
         st.req = req
         st.pool = pool

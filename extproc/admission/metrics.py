@@ -21,6 +21,9 @@ SATURATION = Counter("sluice_replica_saturated_total",
                      "prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])
 PREFILL_RATE = Gauge("sluice_prefill_tokens_per_second",
                      "Prefill speed per replica admission assumes (learned from saturated engines).", ["pool"])
+ESTIMATE_FACTOR = Gauge("sluice_prompt_estimate_factor",
+                        "Factor applied to prompt token estimates, learned from the engines' prompt-token counters.",
+                        ["pool"])
 LANE_INFLIGHT = Gauge("sluice_lane_inflight_requests", "Requests in flight per lane.", ["pool", "lane"])
 
 
@@ -36,6 +39,7 @@ class PoolMetrics:
         self._shed: dict[tuple[int, str], object] = {}
         self._sat: dict[str, object] = {}
         self._rate = PREFILL_RATE.labels(pool)
+        self._factor = ESTIMATE_FACTOR.labels(pool)
 
     def queued(self, lane: int, prio: int, delta: int) -> None:
         self._depth[lane][prio].inc(delta)
@@ -57,6 +61,9 @@ class PoolMetrics:
 
     def prefill_rate(self, rate: float) -> None:
         self._rate.set(rate)
+
+    def estimate_factor(self, factor: float) -> None:
+        self._factor.set(factor)
 
     def saturated(self, reasons: dict[str, int]) -> None:
         for reason, n in reasons.items():

@@ -47,6 +47,8 @@ class AdmissionPolicy:
     max_waiting_per_replica: int = 2      # dispatch only while the engine's own waiting queue is at most this
     prefill_tokens_per_s: float = 10000.0  # replica prefill speed, for predicted TTFT: the start value, then
                                            # learned from saturated engines (admission/prefill_rate.py)
+    calibrate_prompt_tokens: bool = True  # scale prompt estimates by the engines' counted / our estimated
+                                          # prompt tokens (admission/token_calibration.py)
     ttft_target_s: float = 2.0            # keep each replica's predicted prefill backlog under this
     decode_s_per_token: float = 0.02      # for deadline checks: expected time per output token
     max_wait_s: float = 0.0               # longest queue wait; 0 = sidecar.max_queue_wait_ms

@@ -22,6 +22,7 @@ from extproc.admission import metrics as am
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
+from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
 from extproc.routing.placement import Placer
 from extproc.routing.pool import Pool, Replica
@@ -95,13 +96,22 @@ class Scheduler:
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
         self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1))
+        self.calibration = TokenCalibration(policy.calibrate_prompt_tokens)
         self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
+        self.m.estimate_factor(self.calibration.factor)
 
     def on_scrape(self, now: float) -> None:
-        """After a scrape round: the placer's prefill speed follows what the engines showed they can do."""
+        """After a scrape round: the placer's prefill speed follows what the engines showed they can do, and
+        prompt estimates follow what the engines counted."""
+        factor = self.calibration.update(self.pool.replicas, self.placer.backlog, now)
+        self.m.estimate_factor(factor)
         rate = self.prefill.update(self.pool.replicas, now)
         self.placer.rate = rate
         self.m.prefill_rate(rate)
+
+    def calibrate(self, req: LLMRequest) -> None:
+        """Put the request's prompt estimate in the engines' units, before anything is decided from it."""
+        req.prompt_tokens = self.calibration.apply(req.prompt_tokens)
 
     # ---- submit ----------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:
