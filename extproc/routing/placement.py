@@ -4,8 +4,9 @@ A replica fits a request when, with the request added, it stays within every lim
   KV      used + footprint <= capacity x weight x (1 - margin)   used = max(scraped + placed since, reserved)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running this sidecar's requests on it < max_concurrency x weight
-  prefill predicted prefill backlog + prompt <= prefill rate x TTFT target x weight (an idle replica always
-          takes one prompt, however long)
+  prefill predicted prefill backlog + prompt <= prefill rate x TTFT limit x weight (an idle replica always
+          takes one prompt, however long); the limit is the policy's TTFT target, or 90% of the client's time
+          left when that is less (its own timeout header; 75% in code, DEADLINE_SHARE): work the client will have abandoned is not sent (P4, P5)
   lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
   fresh   its metrics are recent (stale metrics count as saturated)
 Among fitting replicas the lowest score wins:
@@ -47,6 +48,8 @@ WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start),
 TENANT_ACTIVE_S = 2.0  # a tenant with a request seen this recently counts as active for the tenant share
 DOMINANT_SHARE = 0.5  # a tenant sending more than this share of the recent requests may be held at its share
 MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants idle for TENANT_ACTIVE_S go
+DEADLINE_SHARE = 0.75  # of the client's time left, the most a predicted first token (or answer) may take: the
+                       # prediction counts prefill only, and decode steps sharing the engine lengthen it (P5)
 MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
@@ -105,7 +108,10 @@ class Placer:
         return max(caps) * (1 - self.policy.kv_margin) if caps else float("inf")
 
     # ---- the filter ------------------------------------------------------------------------------------
-    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float) -> str | None:
+    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float,
+                ttft_limit_s: float | None = None) -> str | None:
+        """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s` is the predicted TTFT allowed (default: the
+        policy's target)."""
         pol = self.policy
         if not r.routable:
             if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
@@ -126,9 +132,23 @@ class Placer:
         if cap and r.kv_used_tokens() + req.total_tokens > cap * w * (1 - pol.kv_margin):
             return KV_FULL
         backlog = self.backlog(r, now)
-        if backlog > 0 and backlog + req.prompt_tokens > self.rate * pol.ttft_target_s * w:
+        limit = pol.ttft_target_s if ttft_limit_s is None else ttft_limit_s
+        if backlog > 0 and backlog + req.prompt_tokens > self.rate * limit * w:
             return PREFILL
         return None
+
+    def ttft_limit_s(self, req: LLMRequest, now: float) -> float:
+        """The predicted TTFT a replica may offer this request: the policy's target, and less when the client's own
+        timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
+        P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
+        limit = self.policy.ttft_target_s
+        if req.client_timeout_s is not None:
+            left = DEADLINE_SHARE * (req.client_timeout_s - (now - req.arrival))
+            if not req.stream:
+                left -= req.max_output_tokens * self.policy.decode_s_per_token
+            if left < limit:
+                limit = left
+        return limit
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:
@@ -224,11 +244,12 @@ class Placer:
             reasons[TENANT] = len(self.pool.replicas)
             return None
         tenant = req.tenant if over == 0 else None
+        ttft_limit = self.ttft_limit_s(req, now)
         for r in self.pool.replicas:
             if tenant is not None and r.tenant_prefill_until.get(tenant, 0.0) <= now:
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
-            why = self.why_not(r, req, lane, now)
+            why = self.why_not(r, req, lane, now, ttft_limit)
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
