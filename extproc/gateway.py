@@ -25,6 +25,7 @@ from extproc import metrics as m
 from extproc import responses as R
 from extproc.admission.policy import admission_policy_from_dict
 from extproc.admission.queue import Waiter
+from extproc.admission.output_length import OutputLengths
 from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.budgets import BudgetExceeded, Budgets, Charge
 from extproc.budgets.policy import BudgetPolicy
@@ -183,6 +184,7 @@ class Gateway:
         self._pool_by_cluster = {pool.cluster: pool for pool in self.pools.values()}
         self.scraper = None  # set by the server when scraping is on
         self.estimate_ratio: dict[str, float] = {}  # replica-counted / estimated prompt tokens, from observations
+        self.output_lengths = OutputLengths()  # per app: expected output of requests without max_tokens
         self.open_requests = 0
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
@@ -465,6 +467,10 @@ class Gateway:
                                                 "invalid_api_key", err_type="authentication_error"))
         self.schedulers[pool.model].calibrate(req)
         self._fill_identity(req, head, st.start)
+        if not req.output_limited:
+            learned = self.output_lengths.expected(req.model, req.app)
+            if learned:
+                req.max_output_tokens = learned
         st.req = req
         st.pool = pool
         if self.open_requests >= self.open_cap:
@@ -612,13 +618,16 @@ class Gateway:
         ttft = obs.ttft_s
         if ttft is not None:
             m.OBSERVED_TTFT.labels(model).observe(ttft)
+        completion = obs.completion_tokens
+        if completion is not None and obs.done and not req.output_limited:
+            self.output_lengths.observe(model, req.app, completion // max(1, req.n))
         prompt = obs.prompt_tokens
         if prompt is not None and req.prompt_tokens > 0:
             ratio = prompt / req.prompt_tokens
             m.PROMPT_ESTIMATE_RATIO.labels(model).observe(ratio)
             old = self.estimate_ratio.get(model)
             self.estimate_ratio[model] = ratio if old is None else 0.8 * old + 0.2 * ratio
-        return prompt, obs.completion_tokens
+        return prompt, completion
 
     # ---- end of stream: always called, exactly once ---------------------------------------------------
     def finish(self, st: Stream) -> str:

@@ -60,6 +60,7 @@ class LLMRequest:
     prefix_key: int = 0          # hash of the leading prompt text (system prompt): affinity and P10 fingerprint
     body_fingerprint: bytes = b""  # digest of the whole body: duplicate / retry detection
     include_usage: bool = False
+    output_limited: bool = True  # the client set max_tokens / max_completion_tokens (else an expectation is used)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -148,7 +149,7 @@ def parse_body(endpoint: str, raw: bytes, estimator: TokenEstimator, default_out
     text, lead = _prompt_text(endpoint, body)
     max_out = _positive_int(body, "max_completion_tokens", None)
     if max_out is None:
-        max_out = _positive_int(body, "max_tokens", default_output_tokens)
+        max_out = _positive_int(body, "max_tokens", None)
     n = _positive_int(body, "n", 1)
     opts = body.get("stream_options")
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
@@ -159,6 +160,7 @@ def parse_body(endpoint: str, raw: bytes, estimator: TokenEstimator, default_out
         stream=stream,
         prompt_tokens=estimator.count(text) + _template_tokens(endpoint, body),
         max_output_tokens=max_out or default_output_tokens,
+        output_limited=max_out is not None,
         n=n or 1,
         prefix_key=zlib.crc32(lead.encode("utf-8", "surrogatepass")),
         body_fingerprint=hashlib.blake2b(raw, digest_size=16).digest(),

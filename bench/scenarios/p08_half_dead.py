@@ -45,7 +45,8 @@ class S(Scenario):
     ]
 
     def phases(self, quick: bool) -> tuple[float, float]:
-        return (3.0, 11.0) if quick else (5.0, 40.0)
+        # quick: 11 s after the fault, so a detection within the bar's 10 s still has requests after it to judge
+        return (3.0, 14.0) if quick else (5.0, 40.0)
 
     def workload(self, quick: bool) -> Workload:
         t_fault, duration = self.phases(quick)

@@ -103,7 +103,7 @@ class Scheduler:
     def on_scrape(self, now: float) -> None:
         """After a scrape round: the placer's prefill speed follows what the engines showed they can do, and
         prompt estimates follow what the engines counted."""
-        factor = self.calibration.update(self.pool.replicas, self.placer.backlog, now)
+        factor = self.calibration.update(self.pool.replicas, now)
         self.m.estimate_factor(factor)
         rate = self.prefill.update(self.pool.replicas, now)
         self.placer.rate = rate

@@ -6,18 +6,19 @@ the KV footprint, the prefill backlog, the predicted TTFT. Measured in P1f: 2,00
 3,000 made the sidecar predict each prefill would end twice as late as it did, so quiet tenants' requests waited in
 the queue behind prefills that had already ended.
 
-The engines count the real tokens (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`), and this sidecar
-knows what it estimated for every prompt it sent. Over a window of enough tokens, real / estimated is the error;
-every new estimate is multiplied by the factor learned from it (`Scheduler.calibrate`).
+The engines count the real tokens (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`, counted when a
+request's prefill ends) and the requests whose prefill ended (the TTFT histogram's count), so they tell the mean
+real prompt per request. This sidecar knows the mean estimate of the requests it sent. Over a window of enough
+tokens, their ratio is the estimate's error; every new estimate is multiplied by the factor learned from it
+(`Scheduler.calibrate`).
 
-- Alignment: an engine counts a prompt once it is prefilled, the sidecar when it dispatches it. The estimated side
-  of an interval is what was dispatched minus the growth of the placer's predicted backlog (prompts dispatched and
-  not yet prefilled), so a burst in flight at a scrape does not read as an estimate error.
+- Means, not sums: a replica that lags behind (a slow or sick one still prefilling what it was sent, P8) finishes
+  fewer prompts, but their mean size is the same. Comparing sums counted the lag as an estimate error: a sick
+  replica's unprefilled prompts read as "the sidecar overestimates", the factor fell, and every replica was
+  overfilled (measured in P8: TTFT p95 0.53 s against 0.07 s without calibration).
 - Other senders: a replica running more requests than this sidecar has in flight on it also serves someone else
-  (another sidecar, a direct client); their tokens are not in our estimate, so its interval is left out.
+  (another sidecar, a direct client) whose prompt mix may differ; its interval is left out.
 - Restarts and sick replicas: a counter that went down, or a replica not HEALTHY, is left out.
-- Requests cancelled before their prefill are estimated but never counted by the engine: the factor reads low by
-  their share of the window's tokens (measured in P4: a few percent).
 
 The factor moves by at most MAX_STEP per window: estimates feed the prompt-shift detector (P10), which must not
 read the calibration converging as a change of the app's prompts. It stays within [1 / BOUND, BOUND].
@@ -25,12 +26,12 @@ read the calibration converging as a change of the app's prompts. It stays withi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.routing.pool import HEALTHY, Replica
 
 WINDOW_TOKENS = 30_000  # estimated prompt tokens per measurement (about 10-20 requests of a typical chat mix)
+MIN_REQUESTS = 10       # ... and at least this many prefills counted by the engines
 ALPHA = 0.7             # weight of a new window (geometric): the text mix of a pool changes slowly
 MAX_STEP = 1.15         # no window moves the factor by more than this factor either way
 BOUND = 3.0             # the factor stays within [1 / BOUND, BOUND]
@@ -39,12 +40,13 @@ OTHER_SENDERS_SLACK = 2  # engine requests beyond ours tolerated (requests just 
 
 @dataclass(slots=True)
 class _Seen:
-    """One replica at its previous scrape."""
+    """One replica at its previous scrape: the engine's counters and this sidecar's placements."""
 
     at: float = 0.0        # scraped_at
-    total: float = -1.0    # the engine's prompt-token counter (-1: none yet)
-    placed: int = 0        # this sidecar's estimated prompt tokens placed on it, cumulative
-    backlog: float = 0.0   # the placer's predicted unprefilled prompt tokens
+    prompts: float = -1.0  # the engine's prompt-token counter (-1: none yet)
+    firsts: float = -1.0   # the engine's first-token count
+    placed: int = 0        # this sidecar's estimated prompt tokens placed on it, cumulative ...
+    requests: int = 0      # ... in this many requests
 
 
 class TokenCalibration:
@@ -54,41 +56,45 @@ class TokenCalibration:
         self.enabled = enabled
         self.factor = factor
         self.seen: dict[str, _Seen] = {}
-        self._real = 0.0  # the current window: engine-counted prompt tokens ...
-        self._est = 0.0   # ... and this sidecar's (calibrated) estimate of the same prompts
+        # The current window: engine-counted prompt tokens and prefills; this sidecar's (calibrated) estimates
+        # and requests placed.
+        self._real = self._real_n = self._est = self._est_n = 0.0
         self.windows = 0  # measurements taken (for tests and the admin view)
 
-    def update(self, replicas: list[Replica], backlog: Callable[[Replica, float], float], now: float) -> float:
-        """Add the new scrapes' intervals to the window; close it when it holds enough tokens. Returns the factor."""
+    def update(self, replicas: list[Replica], now: float) -> float:
+        """Add the new scrapes' intervals to the window; close it when it holds enough. Returns the factor."""
         if not self.enabled:
             return self.factor
         for r in replicas:
             s = self.seen.get(r.address)
             if s is None:
                 s = self.seen[r.address] = _Seen()
-            self._observe(s, r, backlog(r, now))
-        if self._est >= WINDOW_TOKENS and self._real > 0:
-            step = (self._real / self._est) ** ALPHA
+            self._observe(s, r)
+        if self._est >= WINDOW_TOKENS and self._real_n >= MIN_REQUESTS and self._est_n >= MIN_REQUESTS:
+            real_mean = self._real / self._real_n
+            est_mean = self._est / self._est_n
+            step = (real_mean / est_mean) ** ALPHA
             step = min(MAX_STEP, max(1.0 / MAX_STEP, step))
             self.factor = min(BOUND, max(1.0 / BOUND, self.factor * step))
-            self._real = self._est = 0.0
+            self._real = self._real_n = self._est = self._est_n = 0.0
             self.windows += 1
         return self.factor
 
-    def _observe(self, s: _Seen, r: Replica, backlog: float) -> None:
+    def _observe(self, s: _Seen, r: Replica) -> None:
         e = r.engine
         if e.scraped_at <= s.at:
             return  # no new scrape of this replica
-        total = e.prompt_tokens_total
-        usable = (s.total >= 0 and total >= s.total and r.state == HEALTHY
-                  and e.running + e.waiting <= r.inflight_requests + OTHER_SENDERS_SLACK)
+        prompts = getattr(e, "prompt_tokens_total", -1.0)
+        firsts = getattr(e, "first_tokens_total", -1.0)
+        usable = (s.prompts >= 0 and s.firsts >= 0 and prompts >= s.prompts and firsts >= s.firsts
+                  and r.state == HEALTHY and e.running + e.waiting <= r.inflight_requests + OTHER_SENDERS_SLACK)
         if usable:
-            est = (r.placed_prompt_total - s.placed) - (backlog - s.backlog)
-            real = total - s.total
-            if est > 0 and real >= 0:
-                self._real += real
-                self._est += est
-        s.at, s.total, s.placed, s.backlog = e.scraped_at, total, r.placed_prompt_total, backlog
+            self._real += prompts - s.prompts
+            self._real_n += firsts - s.firsts
+            self._est += r.placed_prompt_total - s.placed
+            self._est_n += r.placed_requests_total - s.requests
+        s.at, s.prompts, s.firsts = e.scraped_at, prompts, firsts
+        s.placed, s.requests = r.placed_prompt_total, r.placed_requests_total
 
     def apply(self, prompt_tokens: int) -> int:
         """A new estimate in the engines' units."""

@@ -56,7 +56,8 @@ class Replica:
     inflight_requests: int = 0
     inflight_tokens: int = 0            # reserved footprint: prompt + expected output of each placed request
     inflight_prompt_tokens: int = 0
-    placed_prompt_total: int = 0        # estimated prompt tokens ever placed here (token calibration)
+    placed_prompt_total: int = 0        # estimated prompt tokens ever placed here ...
+    placed_requests_total: int = 0      # ... in this many requests (token calibration)
     placed_since_scrape_tokens: int = 0
     placed_since_scrape_requests: int = 0
     scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
@@ -84,6 +85,7 @@ class Replica:
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += prompt_tokens
         self.placed_prompt_total += prompt_tokens
+        self.placed_requests_total += 1
         self.placed_since_scrape_tokens += tokens
         self.placed_since_scrape_requests += 1
 

@@ -67,6 +67,8 @@ class ScrapedState(EngineState):
     restarted: bool = False           # a counter went down since the previous scrape: the engine restarted
     prompt_tokens_total: float = -1.0  # the engine's prompt-token counter (-1: not exported); admission
                                        # learns the prefill speed from it
+    first_tokens_total: float = -1.0   # first tokens ever (the TTFT histogram's count; -1: not exported): with
+                                       # the prompt counter, the mean real prompt per request (token calibration)
 
 
 class Parsed:
@@ -431,6 +433,10 @@ def build_state(now: float, p: Parsed, hist: History) -> ScrapedState:
         prompt_tokens_total=-1.0 if p.prompt_tokens is None else p.prompt_tokens,
     )
     hist.fill(st, p)
+    if p.ttft_cum:
+        st.first_tokens_total = p.ttft_cum[-1]
+    elif p.ttft_count is not None:
+        st.first_tokens_total = p.ttft_count
     return st
 
 

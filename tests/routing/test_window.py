@@ -163,3 +163,11 @@ def test_a_gap_longer_than_max_gap_restarts_the_window():
     assert st.window_span_s == 0.0 and st.ttft_count_window == 0   # the slow first tokens are forgotten
     st = build_state(3.5, VP.parse(vllm_page(gen=80, ttft=[9.0] * 10 + [0.2])), hist)
     assert st.ttft_count_window == 1 and st.generation_tps == pytest.approx(40.0)
+
+
+def test_prompt_and_first_token_counters_reach_the_state():
+    """Token calibration compares the engine's mean prompt per prefill with the sidecar's estimate."""
+    st = state_after([(1.0, vllm_page(prompt=12_000, ttft=[0.1] * 6))])
+    assert st.prompt_tokens_total == 12_000 and st.first_tokens_total == 6
+    st = state_after([(1.0, sglang_page(ttft=[0.1] * 3))], parser=MetricsParser(SGLANG))
+    assert st.first_tokens_total == 3
