@@ -120,7 +120,8 @@ class LimitsConfig:
     """Request-level limits checked before anything is queued."""
 
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 (Envoy buffers the body for the sidecar)
-    default_output_tokens: int = 256        # expected output when a request sets no max_tokens
+    default_output_tokens: int = 256        # expected output when a request sets no max_tokens (until the app's
+                                            # p90 is learned from observed responses)
     tokenizer: str = "heuristic"            # heuristic | hf | tiktoken
     tokenizer_path: str = ""                # local tokenizer.json / .tiktoken file (never downloaded)
     bytes_per_token: float = 4.0            # heuristic: bytes of ASCII text per token
