@@ -77,7 +77,7 @@ def test_models_list_comes_from_the_policy(stack: Stack):
 def test_concurrent_requests_spread_by_inflight_load(stack: Stack):
     async def one(c: openai.AsyncOpenAI) -> str:
         raw = await c.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "load " * 50}])
+            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "load " * 50}])
         return raw.headers["x-sim-replica"]
 
     async def run() -> list[str]:
@@ -88,7 +88,9 @@ def test_concurrent_requests_spread_by_inflight_load(stack: Stack):
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
     served = asyncio.run(run())
     counts = sorted(served.count(a) for a in stack.policy.default_pool.replicas)
-    # 12 equal requests in flight together: least-in-flight-tokens places 4 on each replica.
+    # 12 equal requests in flight together: least-in-flight-tokens places 4 on each replica. Each generates 400
+    # tokens (about 2 s), so on a loaded CI machine none ends before the last one is placed (with 60 tokens,
+    # early ones ended and freed their replica first: [2, 3, 7] in a CI run).
     assert counts == [4, 4, 4], counts
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
     assert metric_sum(stack.metrics_url, "sluice_inflight_tokens") == 0
