@@ -5,8 +5,9 @@ A replica fits a request when, with the request added, it stays within every lim
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running this sidecar's requests on it < max_concurrency x weight
   prefill predicted prefill backlog + prompt <= prefill rate x TTFT limit x weight (an idle replica always
-          takes one prompt, however long); the limit is the policy's TTFT target, or 90% of the client's time
-          left when that is less (its own timeout header; 75% in code, DEADLINE_SHARE): work the client will have abandoned is not sent (P4, P5)
+          takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
+          the client's time left (its own timeout header) when that is less: work the client will have
+          abandoned is not sent (P4, P5)
   lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
   fresh   its metrics are recent (stale metrics count as saturated)
 Among fitting replicas the lowest score wins:
