@@ -16,8 +16,9 @@ tokens, their ratio is the estimate's error; every new estimate is multiplied by
   fewer prompts, but their mean size is the same. Comparing sums counted the lag as an estimate error: a sick
   replica's unprefilled prompts read as "the sidecar overestimates", the factor fell, and every replica was
   overfilled (measured in P8: TTFT p95 0.53 s against 0.07 s without calibration).
-- Other senders: a replica running more requests than this sidecar has in flight on it also serves someone else
-  (another sidecar, a direct client) whose prompt mix may differ; its interval is left out.
+- Other senders (the other workers of this sidecar, `sidecar.workers`, and other sidecars of the gateway) are
+  counted by the engines too, and change nothing: they send the same mix of prompts, so the means agree. A client
+  that bypasses the gateway with a different mix would bias the factor (within its bounds); it is not detected.
 - Restarts and sick replicas: a counter that went down, or a replica not HEALTHY, is left out.
 
 The factor moves by at most MAX_STEP per window: estimates feed the prompt-shift detector (P10), which must not
@@ -35,7 +36,6 @@ MIN_REQUESTS = 10       # ... and at least this many prefills counted by the eng
 ALPHA = 0.7             # weight of a new window (geometric): the text mix of a pool changes slowly
 MAX_STEP = 1.15         # no window moves the factor by more than this factor either way
 BOUND = 3.0             # the factor stays within [1 / BOUND, BOUND]
-OTHER_SENDERS_SLACK = 2  # engine requests beyond ours tolerated (requests just released, retries elsewhere)
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ class TokenCalibration:
         prompts = getattr(e, "prompt_tokens_total", -1.0)
         firsts = getattr(e, "first_tokens_total", -1.0)
         usable = (s.prompts >= 0 and s.firsts >= 0 and prompts >= s.prompts and firsts >= s.firsts
-                  and r.state == HEALTHY and e.running + e.waiting <= r.inflight_requests + OTHER_SENDERS_SLACK)
+                  and r.state == HEALTHY)
         if usable:
             self._real += prompts - s.prompts
             self._real_n += firsts - s.firsts

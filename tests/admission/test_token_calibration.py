@@ -61,7 +61,7 @@ def test_a_lagging_replica_does_not_read_as_an_estimate_error():
     r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
     cal.update([r], 0.01)
     t, counted, firsts = 0.01, 0.0, 0.0
-    for i in range(300):  # every interval: 3 placed (in flight, so no other senders), 1 of them prefilled
+    for i in range(300):  # every interval: 3 placed, 1 of them prefilled
         for _ in range(3):
             r.place(1_000, 1_000)
         counted += 1_000
@@ -73,14 +73,26 @@ def test_a_lagging_replica_does_not_read_as_an_estimate_error():
     assert abs(cal.factor - 1.0) < 1e-6
 
 
-def test_a_replica_serving_someone_else_is_left_out():
-    e, cal = Engine(real_per_est=2.0), TokenCalibration()
-    e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
-    cal.update([e.r], 0.01)
-    for _ in range(100):
-        e.serve(3_000, cal, running=10)  # the engine runs 10, this sidecar has none in flight: other senders
-        cal.update([e.r], e.t)
-    assert cal.windows == 0 and cal.factor == 1.0
+def test_other_workers_of_the_gateway_do_not_bias_the_factor():
+    """Two sidecar workers share a replica: the engine counts both, each worker knows only its own (P1f: means)."""
+    w1, w2 = TokenCalibration(), TokenCalibration()
+    r1, r2 = Replica(address="a:1", pool="m"), Replica(address="a:1", pool="m")  # each worker's view of one engine
+    counted, firsts, t = 0.0, 0.0, 0.01
+    for r in (r1, r2):
+        r.on_scrape(ScrapedState(scraped_at=t, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    w1.update([r1], t), w2.update([r2], t)
+    for i in range(400):
+        for r, cal in ((r1, w1), (r2, w2)) if i % 3 else ((r1, w1),):  # worker 1 sends twice as much
+            est = cal.apply(3_000)
+            r.place(est, est)
+            r.release(est, est)
+            counted += 2_000  # the engine: 2,000 real tokens for every prompt the heuristic calls 3,000
+            firsts += 1
+        t += 0.2
+        for r, cal in ((r1, w1), (r2, w2)):
+            r.on_scrape(ScrapedState(scraped_at=t, running=12, prompt_tokens_total=counted, first_tokens_total=firsts))
+            cal.update([r], t)
+    assert abs(w1.factor - 2 / 3) < 0.02 and abs(w2.factor - 2 / 3) < 0.02
 
 
 def test_restarted_or_sick_replicas_are_left_out():
