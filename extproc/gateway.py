@@ -260,6 +260,7 @@ class Gateway:
             if new_sched is not None and admission.calibrate_prompt_tokens:
                 new_sched.calibration = old_sched.calibration  # what the engines counted still holds
                 new_sched.calibration.enabled = True
+                new_sched.m.estimate_factor(new_sched.calibration.factor)
             self._migrate_queue(old_sched, new_sched)
         if budget_policy != self.budgets.policy:
             self.budgets = Budgets(budget_policy, capacity_tokens_per_s=self.capacity_tokens_per_s,
@@ -465,7 +466,8 @@ class Gateway:
         except UnknownKey:
             return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
                                                 "invalid_api_key", err_type="authentication_error"))
-        self.schedulers[pool.model].calibrate(req)
+        sched = self.schedulers[pool.model]
+        sched.calibrate(req)
         self._fill_identity(req, head, st.start)
         if not req.output_limited:
             learned = self.output_lengths.expected(req.model, req.app)
@@ -496,7 +498,7 @@ class Gateway:
         if not self.admission.enabled:
             return self._forward_unmetered(st, pool, t0)
         try:
-            result = self.schedulers[pool.model].submit(req, st.start)
+            result = sched.submit(req, st.start)
         except Shed as shed:
             return self._shed(st, shed)
         if isinstance(result, Placement):

@@ -67,6 +67,12 @@ class LLMRequest:
     def expected_output_tokens(self) -> int:
         return self.max_output_tokens * self.n
 
+    def time_left_s(self, now: float) -> float | None:
+        """Seconds until the client's own timeout (None: it sent none)."""
+        if self.client_timeout_s is None:
+            return None
+        return self.client_timeout_s - (now - self.arrival)
+
     @property
     def total_tokens(self) -> int:
         """Prompt plus expected output: what admission meters (P2: requests are not equivalent)."""

@@ -173,11 +173,9 @@ class Scheduler:
         deadline passes before it could get its first token (stream) or its whole answer (non-stream). Work
         dispatched just before the client gives up is ghost load (P4)."""
         budget = self.policy.max_wait_s
-        if req.client_timeout_s is not None:
-            service = req.prompt_tokens / self.placer.rate
-            if not req.stream:
-                service += req.max_output_tokens * self.policy.decode_s_per_token
-            left = req.client_timeout_s - (now - req.arrival)
+        left = req.time_left_s(now)
+        if left is not None:
+            service = req.prompt_tokens / self.placer.rate + self.placer.answer_decode_s(req)
             budget = min(budget, 0.9 * left - service)
         return budget
 

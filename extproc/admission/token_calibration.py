@@ -19,7 +19,8 @@ tokens, their ratio is the estimate's error; every new estimate is multiplied by
 - Other senders (the other workers of this sidecar, `sidecar.workers`, and other sidecars of the gateway) are
   counted by the engines too, and change nothing: they send the same mix of prompts, so the means agree. A client
   that bypasses the gateway with a different mix would bias the factor (within its bounds); it is not detected.
-- Restarts and sick replicas: a counter that went down, or a replica not HEALTHY, is left out.
+- Restarts and sick replicas: a counter that went down (the engine's, or this sidecar's for a replica removed and
+  added again by reloads), or a replica not HEALTHY, is left out.
 
 The factor moves by at most MAX_STEP per window: estimates feed the prompt-shift detector (P10), which must not
 read the calibration converging as a change of the app's prompts. It stays within [1 / BOUND, BOUND].
@@ -87,7 +88,7 @@ class TokenCalibration:
         prompts = getattr(e, "prompt_tokens_total", -1.0)
         firsts = getattr(e, "first_tokens_total", -1.0)
         usable = (s.prompts >= 0 and s.firsts >= 0 and prompts >= s.prompts and firsts >= s.firsts
-                  and r.state == HEALTHY)
+                  and r.placed_requests_total >= s.requests and r.state == HEALTHY)
         if usable:
             self._real += prompts - s.prompts
             self._real_n += firsts - s.firsts

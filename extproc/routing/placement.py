@@ -109,10 +109,9 @@ class Placer:
         return max(caps) * (1 - self.policy.kv_margin) if caps else float("inf")
 
     # ---- the filter ------------------------------------------------------------------------------------
-    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float,
-                ttft_limit_s: float | None = None) -> str | None:
-        """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s` is the predicted TTFT allowed (default: the
-        policy's target)."""
+    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float) -> str | None:
+        """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s`: the predicted TTFT allowed
+        (`ttft_limit_s()`)."""
         pol = self.policy
         if not r.routable:
             if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
@@ -133,8 +132,7 @@ class Placer:
         if cap and r.kv_used_tokens() + req.total_tokens > cap * w * (1 - pol.kv_margin):
             return KV_FULL
         backlog = self.backlog(r, now)
-        limit = pol.ttft_target_s if ttft_limit_s is None else ttft_limit_s
-        if backlog > 0 and backlog + req.prompt_tokens > self.rate * limit * w:
+        if backlog > 0 and backlog + req.prompt_tokens > self.rate * ttft_limit_s * w:
             return PREFILL
         return None
 
@@ -143,13 +141,16 @@ class Placer:
         timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
         P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
-        if req.client_timeout_s is not None:
-            left = DEADLINE_SHARE * (req.client_timeout_s - (now - req.arrival))
-            if not req.stream:
-                left -= req.max_output_tokens * self.policy.decode_s_per_token
+        left = req.time_left_s(now)
+        if left is not None:
+            left = DEADLINE_SHARE * left - self.answer_decode_s(req)
             if left < limit:
                 limit = left
         return limit
+
+    def answer_decode_s(self, req: LLMRequest) -> float:
+        """Decode time a non-streaming client waits for before its answer (a streaming one: 0)."""
+        return 0.0 if req.stream else req.max_output_tokens * self.policy.decode_s_per_token
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:

@@ -89,6 +89,11 @@ class Parsed:
         self.errors: float | None = None
         self.cache_info_tokens: int | None = None  # block_size x num_gpu_blocks (summed over engines)
 
+    @property
+    def first_tokens(self) -> float | None:
+        """First tokens ever: the TTFT histogram's +Inf bucket (or its _count); None when not exported."""
+        return self.ttft_cum[-1] if self.ttft_cum else self.ttft_count
+
 
 # one histogram bucket sample: its le label (wherever it sits among the labels) and its value
 _BUCKET_RE = re.compile(rb'_bucket\{[^}\n]*?\ble="([^"]*)"[^}\n]*\}[ \t]*(\S+)')
@@ -333,7 +338,7 @@ class _Snap:
         self.gen = p.generation_tokens
         self.prompt = p.prompt_tokens
         self.ttft = p.ttft_cum
-        self.ttft_count = p.ttft_cum[-1] if p.ttft_cum else (p.ttft_count or 0.0)
+        self.ttft_count = p.first_tokens or 0.0
         self.running = p.running or 0.0
         self.waiting = p.waiting or 0.0
         self.preempt = p.preemptions
@@ -433,10 +438,9 @@ def build_state(now: float, p: Parsed, hist: History) -> ScrapedState:
         prompt_tokens_total=-1.0 if p.prompt_tokens is None else p.prompt_tokens,
     )
     hist.fill(st, p)
-    if p.ttft_cum:
-        st.first_tokens_total = p.ttft_cum[-1]
-    elif p.ttft_count is not None:
-        st.first_tokens_total = p.ttft_count
+    first = p.first_tokens
+    if first is not None:
+        st.first_tokens_total = first
     return st
 
 

@@ -109,6 +109,22 @@ def test_restarted_or_sick_replicas_are_left_out():
     assert cal.windows == 0 and cal.factor == 1.0
 
 
+def test_a_replica_added_again_by_a_reload_starts_a_new_reference():
+    """A reload that removes and re-adds a replica builds a new Replica (placement totals from 0) while the
+    calibration remembers the old one: that interval is a new reference, not a negative estimate."""
+    e, cal = Engine(real_per_est=2 / 3), TokenCalibration()
+    e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    cal.update([e.r], 0.01)
+    for _ in range(5):
+        e.serve(3_000, cal)
+        cal.update([e.r], e.t)
+    old = e.r
+    e.r = Replica(address=old.address, pool="m")
+    e.serve(3_000, cal)
+    cal.update([e.r], e.t)
+    assert cal._est == 5 * 3_000 and cal._est_n == 5  # only the old object's five placements
+
+
 def test_factor_stays_within_bounds():
     e, cal = Engine(real_per_est=100.0), TokenCalibration()
     e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
