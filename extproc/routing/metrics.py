@@ -25,6 +25,11 @@ Series (labels):
   sluice_pool_all_degraded{pool}                  1 while no replica of the pool is healthy or recovering (the pool
                                                   then serves from the best degraded one).
 
+  sluice_shared_load_degraded                     1 while the shared in-flight view (Redis) is unreachable: placement
+                                                  then sees only this sidecar's own placements (shared_load.py).
+  sluice_shared_load_peers                        other sidecars whose in-flight report is fresh.
+  sluice_shared_load_sync_failures_total          failed publish-and-read round trips to Redis.
+
 Label children are resolved once per replica (`replica_metrics`) and cached; nothing here formats strings per
 scrape.
 """
@@ -151,6 +156,12 @@ class ReplicaMetrics:
             child = self._transitions[key] = HEALTH_TRANSITIONS.labels(self.pool, self.replica, *key)
         child.inc()
 
+
+SHARED_LOAD_DEGRADED = Gauge("sluice_shared_load_degraded",
+                             "1 while the shared in-flight view (Redis) is unreachable and only own placements count.")
+SHARED_LOAD_PEERS = Gauge("sluice_shared_load_peers", "Other sidecars whose in-flight report is fresh.")
+SHARED_LOAD_SYNC_FAILURES = Counter("sluice_shared_load_sync_failures_total",
+                                    "Failed publish-and-read round trips of the shared in-flight view.")
 
 _CACHE: dict[tuple[str, str], ReplicaMetrics] = {}
 _POOL_CACHE: dict[str, Gauge] = {}

@@ -1,0 +1,238 @@
+"""Several gateways as one: each sidecar publishes its requests in flight per replica to Redis and reads the other
+sidecars' fresh reports, so placement sees the pool's whole in-flight load, not only its own, between scrapes.
+
+Why: a replica's scraped numbers (KV usage, engine queue) include every gateway's requests, but only as of the
+last scrape (200 ms). Between scrapes each sidecar adds its own placements exactly; without this view it is blind
+to the other gateways' placements, so under a burst N gateways pile onto the same replica that looked emptiest.
+
+Protocol (one Redis round trip per `interval_s`, never per request; off the hot path in a background task):
+  one hash per deployment, `<key_prefix>load`: field = sidecar id, value = `<redis time ms>|<json>` with
+  json = {pool: {replica: [tokens, requests]}} of that sidecar's requests in flight (non-zero entries only).
+  A Lua script writes this sidecar's field (stamped with Redis' own clock: no skew between gateways), refreshes
+  the key's TTL, and returns every other field younger than `stale_after_s`; fields older than 10 x that are
+  deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
+  `stale_after_s`: its load is then visible only through scrapes, as today.
+
+What placement adds (`Load` per replica, from `others()` / `since_scrape()`):
+  reserved floor   own in-flight tokens + others' in-flight tokens
+  between scrapes  others' in-flight growth since this sidecar last scraped the replica:
+                   since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
+  concurrency      own in-flight requests + others' in-flight requests
+The view is at most `interval_s` + one round trip old; queues stay local (each sidecar admits its own requests).
+
+Losing Redis: any error empties the view (placement falls back to own placements + scrapes, today's behaviour),
+sets `sluice_shared_load_degraded`, logs once, and retries with exponential backoff (interval_s doubling up to
+`max_backoff_s`); the first successful round trip restores the view by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import orjson
+
+from extproc.routing import metrics as rm
+
+log = logging.getLogger("sluice.routing.shared_load")
+
+LocalView = Callable[[], Mapping[str, Mapping[str, tuple[int, int]]]]
+"""This sidecar's requests in flight: pool -> replica address -> (tokens, requests)."""
+
+View = dict[str, dict[str, "Load"]]
+
+_SYNC_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local stale = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], now .. '|' .. ARGV[2])
+redis.call('PEXPIRE', KEYS[1], stale * 10)
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #all, 2 do
+  local id, v = all[i], all[i + 1]
+  if id ~= ARGV[1] then
+    local sep = string.find(v, '|', 1, true)
+    local ts = sep and tonumber(string.sub(v, 1, sep - 1))
+    if ts and ts >= now - stale then
+      out[#out + 1] = string.sub(v, sep + 1)
+    elseif not ts or ts < now - stale * 10 then
+      redis.call('HDEL', KEYS[1], id)
+    end
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Requests in flight on one replica and their reserved tokens (prompt + expected output)."""
+
+    tokens: int = 0
+    requests: int = 0
+
+
+ZERO = Load()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLoadPolicy:
+    """Fields:
+      interval_s: how often this sidecar publishes and reads (one Redis round trip each time). Shorter than the
+        scrape interval, or the view adds little to the scrapes.
+      stale_after_s: another sidecar's report older than this is ignored (that sidecar stopped or lost Redis).
+      max_backoff_s: longest wait between attempts while Redis is unreachable.
+      key: the Redis hash every sidecar of one deployment shares (prefix it like the budget keys).
+    """
+
+    interval_s: float = 0.1
+    stale_after_s: float = 1.0
+    max_backoff_s: float = 5.0
+    key: str = "sluice:load"
+
+    def __post_init__(self) -> None:
+        if not (0 < self.interval_s < self.stale_after_s):
+            raise ValueError("shared load: need 0 < interval_s < stale_after_s")
+        if self.max_backoff_s < self.interval_s:
+            raise ValueError("shared load: max_backoff_s must be >= interval_s")
+
+
+def redis_client(url: str, timeout_s: float = 0.05) -> Any:
+    """A redis.asyncio client for the view: short timeouts, no client-side retries (a failed round trip is simply
+    the next interval's problem), at most two connections."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=2, timeout=timeout_s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0), retry_on_error=[], health_check_interval=0)
+    return aioredis.Redis(connection_pool=pool)
+
+
+def _encode(local: Mapping[str, Mapping[str, tuple[int, int]]]) -> bytes:
+    return orjson.dumps({pool: {addr: [t, r] for addr, (t, r) in replicas.items() if t or r}
+                         for pool, replicas in local.items()})
+
+
+def _merge(reports: list[bytes]) -> View:
+    """Sum the other sidecars' reports per pool and replica (a malformed report is skipped)."""
+    tokens: dict[tuple[str, str], list[int]] = {}
+    for raw in reports:
+        try:
+            report = orjson.loads(raw)
+            for pool, replicas in report.items():
+                for addr, (t, r) in replicas.items():
+                    acc = tokens.setdefault((pool, addr), [0, 0])
+                    acc[0] += int(t)
+                    acc[1] += int(r)
+        except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError):
+            log.debug("skipped a malformed shared-load report")
+    view: View = {}
+    for (pool, addr), (t, r) in tokens.items():
+        view.setdefault(pool, {})[addr] = Load(t, r)
+    return view
+
+
+class SharedLoad:
+    """The shared in-flight view of one sidecar. `listeners` are called with the new view after every round trip
+    (and with an empty view when Redis is lost), on the event loop."""
+
+    def __init__(self, client: Any, sidecar_id: str, local_view: LocalView,
+                 policy: SharedLoadPolicy | None = None) -> None:
+        self.client = client
+        self.sidecar_id = sidecar_id
+        self.local_view = local_view
+        self.policy = policy or SharedLoadPolicy()
+        self._script = client.register_script(_SYNC_LUA)
+        self.view: View = {}
+        self.peers = 0
+        self.degraded = False
+        self._baseline: dict[tuple[str, str], int] = {}
+        self._delay = self.policy.interval_s
+        self._task: asyncio.Task[None] | None = None
+        self.listeners: list[Callable[[View], None]] = []
+
+    # ---- what placement reads (plain dict lookups: safe on the hot path) -------------------------------------
+    def others(self, pool: str, replica: str) -> Load:
+        """The other sidecars' fresh in-flight load on the replica (zero without a shared view)."""
+        return self.view.get(pool, {}).get(replica, ZERO)
+
+    def note_scrape(self, pool: str, replica: str) -> None:
+        """This sidecar just scraped the replica: the others' load so far is in the scraped numbers."""
+        self._baseline[(pool, replica)] = self.others(pool, replica).tokens
+
+    def since_scrape(self, pool: str, replica: str) -> int:
+        """Tokens the others placed on the replica since this sidecar's last scrape of it (see the module
+        docstring: max(0, others now - others at that scrape))."""
+        grown = self.others(pool, replica).tokens - self._baseline.get((pool, replica), 0)
+        return grown if grown > 0 else 0
+
+    # ---- one round trip ---------------------------------------------------------------------------------
+    async def sync_once(self) -> bool:
+        """Publish this sidecar's load and read the others'. False (view emptied, degraded) on any Redis error."""
+        p = self.policy
+        try:
+            payload = _encode(self.local_view())
+            reports = await self._script(keys=[p.key],
+                                         args=[self.sidecar_id, payload, int(p.stale_after_s * 1000)])
+        except Exception as exc:  # redis errors, timeouts, connection refused: all mean "no shared view now"
+            self._lose(exc)
+            return False
+        self.view = _merge(reports)
+        self.peers = len(reports)
+        rm.SHARED_LOAD_PEERS.set(self.peers)
+        if self.degraded:
+            self.degraded = False
+            rm.SHARED_LOAD_DEGRADED.set(0)
+            log.warning("shared in-flight view restored (%d other sidecars)", self.peers)
+        self._delay = p.interval_s
+        self._notify()
+        return True
+
+    def _lose(self, exc: BaseException) -> None:
+        rm.SHARED_LOAD_SYNC_FAILURES.inc()
+        if not self.degraded:
+            self.degraded = True
+            rm.SHARED_LOAD_DEGRADED.set(1)
+            log.warning("shared in-flight view lost (%r): placing on own placements and scrapes only", exc)
+        self._delay = min(self.policy.max_backoff_s, self._delay * 2)
+        self.peers = 0
+        rm.SHARED_LOAD_PEERS.set(0)
+        if self.view:
+            self.view = {}
+            self._baseline.clear()
+            self._notify()
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener(self.view)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.sync_once()
+        self._task = asyncio.create_task(self._run(), name="sluice-shared-load")
+
+    async def _run(self) -> None:
+        while True:  # sequential: never more than one round trip in flight
+            await asyncio.sleep(self._delay)
+            try:
+                await self.sync_once()
+            except Exception:  # a listener's bug must not stop the view
+                log.exception("shared load round failed")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        try:
+            await self.client.aclose(close_connection_pool=True)
+        except Exception:  # closing a broken connection must not fail shutdown
+            pass
