@@ -14,8 +14,7 @@
 
 How many endpoints to list depends on the data plane: Envoy's override_host policy tries the list in order (one
 entry per attempt); an ORIGINAL_DST cluster routing by the header takes exactly one `ip:port` and answers 503 to a
-list (measured with Envoy 1.40, tests/discovery/test_eds_envoy.py's companion in docs/epp.md). Hence
-`max_endpoints`.
+list (measured with Envoy 1.40: tests/epp/test_gateway_api_envoy.py). Hence `max_endpoints`.
 """
 
 from __future__ import annotations
