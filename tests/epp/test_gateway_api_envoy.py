@@ -129,3 +129,49 @@ async def test_fail_close_answers_503_when_the_picker_is_down(tmp_path, backends
         assert status == 503
     finally:
         envoy.stop()
+
+
+async def test_override_host_reports_the_endpoint_that_served_the_pin_list(tmp_path, backends):
+    """sluice's own shape (override_host): with `selected_host_key` Envoy 1.40 writes the host it chose into
+    `envoy.lb` / x-gateway-destination-endpoint-served, and ext_proc forwards it (forwarding_namespaces) to the
+    picker: here the first pin is unknown, so the second served, and the picker is told so."""
+    from extproc.xds import PROTOCOL_OPTIONS_KEY, _http2_options, _pool_lb_policy, _to_dict
+    from extproc.discovery.eds import load_assignment
+    from tests.discovery.envoy_harness import hcm, listener
+
+    listen, admin, picker_port = ports(3)
+    second = backends[1].address
+    picker = MiniPicker(["127.0.0.1:1", second])
+    picker.list_all = True
+    server = await _serve(picker, picker_port)
+    lb = _to_dict(_pool_lb_policy("sluice"))
+    lb["policies"][0]["typed_extension_config"]["typed_config"]["selected_host_key"] = {
+        "key": epp.LB_NAMESPACE, "path": [{"key": epp.SERVED_KEY}]}  # not in the generated stubs yet
+    ext_proc = {"name": epp.EXT_PROC_FILTER, "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}},
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                            "response_header_mode": "SEND", "response_body_mode": "NONE"},
+        "metadata_options": {"receiving_namespaces": {"untyped": [epp.LB_NAMESPACE]},
+                             "forwarding_namespaces": {"untyped": [epp.LB_NAMESPACE]}}}}
+    bootstrap = {
+        "node": {"id": "t", "cluster": "t"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [listener("l", listen, hcm("t", "pool", [ext_proc]))],
+            "clusters": [
+                {"name": "pool", "type": "STATIC", "connect_timeout": "1s", "load_balancing_policy": lb,
+                 "load_assignment": _to_dict(load_assignment("pool", [b.address for b in backends]))},
+                {"name": "picker", "type": "STATIC", "connect_timeout": "1s",
+                 "typed_extension_protocol_options": {PROTOCOL_OPTIONS_KEY: _to_dict(_http2_options(65536))},
+                 "load_assignment": _to_dict(load_assignment("picker", [f"127.0.0.1:{picker_port}"]))}]}}
+    envoy = Envoy(tmp_path, bootstrap)
+    envoy.start(admin)
+    try:
+        for _ in range(3):
+            status, headers, body = await _ask(listen)
+            assert (status, body, headers[SERVED_HEADER]) == (200, second, second)
+        assert picker.served == [second] * 3
+    finally:
+        envoy.stop()
+        await server.stop(0)
