@@ -228,10 +228,7 @@ class SharedLoad:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(task, return_exceptions=True)
         try:
             await self.client.aclose(close_connection_pool=True)
         except Exception:  # closing a broken connection must not fail shutdown

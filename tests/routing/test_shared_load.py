@@ -5,32 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from extproc.routing.shared_load import Load, SharedLoad, SharedLoadPolicy, redis_client
-from tests.budgets.conftest import RedisProc, _need_redis
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisProc]:
-    _need_redis()
-    r = RedisProc()
-    r.start()
-    yield r
-    r.kill()
-
-
-@pytest.fixture
-def redis_proc() -> Iterator[RedisProc]:
-    _need_redis()
-    r = RedisProc()
-    r.start()
-    yield r
-    r.kill()
+from tests.budgets.conftest import redis_proc, redis_server  # noqa: F401  (fixtures: a real redis-server)
 
 
 class Sidecar:
@@ -53,7 +35,6 @@ async def make() -> AsyncIterator:
         made.append(s)
         return s
 
-    build.key = key  # type: ignore[attr-defined]
     yield build
     for s in made:
         await s.stop()
