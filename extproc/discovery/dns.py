@@ -202,7 +202,6 @@ class DnsDiscovery:
                 held = held or bool(entry.addresses)  # rule 1
             else:
                 entry.apply(_desired(src, answer.ips, entry.addresses), self.remove_after)
-                held = held or bool(entry.missing)
             addresses |= entry.addresses
         before = self._reported.get(pool)
         after = frozenset(addresses)
