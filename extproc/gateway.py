@@ -23,19 +23,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import metrics as m
 from extproc import responses as R
-from extproc.admission.policy import admission_policy_from_dict
 from extproc.admission.queue import Waiter
 from extproc.admission.output_length import OutputLengths
 from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.budgets import BudgetExceeded, Budgets, Charge
-from extproc.budgets.policy import BudgetPolicy
 from extproc.config import Policy
-from extproc.identity import Identity, TenantPolicy, UnknownKey
+from extproc.identity import Identity, UnknownKey
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.health import HealthTracker
 from extproc.routing.placement import Placer
-from extproc.routing.policy import RoutingPolicy
-from extproc.streaming import DrainWatch, ResponseObserver, Sampler, StreamingPolicy
+from extproc.streaming import DrainWatch, ResponseObserver, Sampler
 from extproc.routing.pool import Pool, Replica
 from extproc.tokens import make_estimator
 from extproc.xds import DESTINATION_KEY
@@ -174,9 +171,9 @@ class Gateway:
         self.estimator = make_estimator(lim.tokenizer, lim.tokenizer_path or None, lim.bytes_per_token)
         self.max_body = lim.max_body_bytes
         self.default_output = lim.default_output_tokens
-        self.admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
+        self.admission = policy.admission
         self._is_fresh: Callable[[Replica, float], bool] | None = None  # set when a scraper runs
-        self.routing = RoutingPolicy.from_dict(policy.routing)
+        self.routing = policy.routing
         self.health = {name: HealthTracker(pool, self.routing.health) for name, pool in self.pools.items()}
         self.placers = {name: self._placer(pool) for name, pool in self.pools.items()}
         self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
@@ -189,10 +186,10 @@ class Gateway:
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
         self.detached: dict[str, Stream] = {}  # request id -> forwarded stream whose ext_proc stream has closed
-        self.identity = Identity(TenantPolicy.from_dict(policy.tenants))
-        self.budgets = Budgets(BudgetPolicy.from_dict(policy.budgets), capacity_tokens_per_s=self.capacity_tokens_per_s,
+        self.identity = Identity(policy.tenants)
+        self.budgets = Budgets(policy.budgets, capacity_tokens_per_s=self.capacity_tokens_per_s,
                                sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
-        self.streaming = StreamingPolicy.from_dict(policy.streaming)
+        self.streaming = policy.streaming
         self.sampler = Sampler(self.streaming)
         self._tenant_gauges: dict[str, object] = {}
         self.draining = False
@@ -215,12 +212,12 @@ class Gateway:
 
         Replicas that stay keep their live state and accounting; requests in flight release to the objects
         that placed them. Returns a list of human-readable changes."""
-        admission = admission_policy_from_dict(policy.admission, policy.sidecar.max_queue_wait_ms / 1000.0)
+        admission = policy.admission
         if len(admission.lanes) != len(self.admission.lanes):
             raise ValueError("admission.lanes: changing the number of lanes needs a restart")
-        budget_policy = BudgetPolicy.from_dict(policy.budgets)
-        routing = RoutingPolicy.from_dict(policy.routing)
-        identity = Identity(TenantPolicy.from_dict(policy.tenants))
+        budget_policy = policy.budgets
+        routing = policy.routing
+        identity = Identity(policy.tenants)
         identity.open_streams = self.identity.open_streams
         changes: list[str] = []
         new_pools: dict[str, Pool] = {}

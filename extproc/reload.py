@@ -1,7 +1,8 @@
 """Hot reload of the policy file: on SIGHUP, on a change of the file (mtime polled every second), or through the
 admin API (`sluice reload`).
 
-    read + validate (load_policy) ─► gateway.apply_policy (validates the sections it parses, then swaps)
+    read + validate (load_policy: every section, typed) ─► gateway.apply_policy (checks what a reload cannot
+    change, then swaps)
         ok    ─► sluice_policy_reloads_total{result="ok"}, last_reload_success = 1, optional xDS re-render
         error ─► one log line naming the field, sluice_policy_reloads_total{result="error"},
                  last_reload_success = 0; the old policy stays in force
@@ -56,8 +57,8 @@ RESTART_FIELDS = {
     "limits": ("max_body_bytes", "default_output_tokens", "tokenizer", "tokenizer_path", "bytes_per_token"),
 }
 
-# Raw sections the running gateway does not re-read on reload (Gateway.apply_policy keeps the start-up object).
-RESTART_RAW_SECTIONS = ("streaming",)
+# Sections the running gateway does not re-read on reload (Gateway.apply_policy keeps the start-up object).
+RESTART_SECTIONS = ("streaming",)
 
 
 @dataclass
@@ -92,8 +93,8 @@ def restart_notes(old: Policy, new: Policy) -> list[str]:
             if getattr(a, name) != getattr(b, name):
                 notes.append(f"{section}.{name} changed ({getattr(a, name)!r} -> {getattr(b, name)!r}): "
                              "takes effect after a restart")
-    for section in RESTART_RAW_SECTIONS:
-        if getattr(old, section, None) != getattr(new, section, None):
+    for section in RESTART_SECTIONS:
+        if getattr(old, section) != getattr(new, section):
             notes.append(f"{section}: changed; takes effect after a restart")
     return notes
 

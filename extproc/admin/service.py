@@ -36,7 +36,6 @@ REPLICA_DRAINING = Gauge("sluice_replica_draining",
                          ["pool", "replica"])
 
 UNDRAIN_REASON = "undrain"
-DEFAULT_SLOW_START_WEIGHT = 0.1  # routing.health.slow_start_steps[0] by default
 
 ReloadHook = Callable[[str], Union["ReloadResult", Awaitable["ReloadResult"]]]
 
@@ -116,12 +115,7 @@ def _tracker(gateway: Gateway, model: str) -> Any:
 
 
 def _slow_start_weight(gateway: Gateway) -> float:
-    try:
-        from extproc.routing.policy import RoutingPolicy
-
-        return RoutingPolicy.from_dict(gateway.policy.routing).health.slow_start_steps[0]
-    except Exception:  # an invalid routing section never reaches a running gateway; be safe anyway
-        return DEFAULT_SLOW_START_WEIGHT
+    return gateway.policy.routing.health.slow_start_steps[0]
 
 
 def begin_slow_start(gateway: Gateway, pool: Pool, r: Replica, now: float | None = None) -> None:

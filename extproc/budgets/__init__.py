@@ -1,7 +1,7 @@
 """Budgets: the facade the server calls on the hot path (retry budget P5, task budgets P11, tenant tokens per minute,
 prompt cost shift P10).
 
-    budgets = Budgets(BudgetPolicy.from_dict(cfg.get("budgets")), capacity_tokens_per_s=fn, sidecar_count_hint=n)
+    budgets = Budgets(policy.budgets, capacity_tokens_per_s=fn, sidecar_count_hint=n)
     await budgets.start()
     try:
         charge = await budgets.admit(req)          # raises BudgetExceeded: answer with e.status / e.headers()

@@ -1,7 +1,7 @@
 """Per agent task budgets (P11): calls, tokens, loop depth, wall time, and active tasks per tenant.
 
-A task is identified by (tenant, task id) where the task id comes from the `tasks.header` request header (the
-server parses it into `LLMRequest.task_id`); requests without a task id are not task-budgeted. Per task the store
+A task is identified by (tenant, task id) where the task id comes from the `x-sluice-task-id` request header
+(the gateway reads it into `LLMRequest.task_id`); requests without a task id are not task-budgeted. Per task the store
 keeps {calls, tokens, first call time, calls in flight}; every limit is checked and charged in the store's one
 atomic admit, so limits hold exactly across sidecars sharing a Redis:
     calls + 1            <= max_calls

@@ -25,7 +25,7 @@ from extproc.admission.queue import Waiter
 from extproc.config import policy_from_dict
 from extproc.gateway import Gateway, Stream
 from extproc.routing.pool import Replica
-from extproc.supervisor import policy_to_dict
+from extproc.config import policy_to_dict
 
 from .conftest import BackgroundStream, assert_settled, metric_sum, running_stack, sim_metric, wait_for
 

@@ -1,6 +1,6 @@
 """Placement of a confined lane (long prompts): its share of replicas counts prefills, not requests held (P3, P7)."""
 
-from extproc.admission.policy import admission_policy_from_dict
+from extproc.config import parse_section
 from extproc.config import PoolConfig
 from extproc.request import LLMRequest
 from extproc.routing.placement import LANE, Placer
@@ -12,7 +12,8 @@ LONG, SHORT = 2, 0  # lane indices of the default lanes (short <= 1,024 < normal
 
 def placer(n: int = 4) -> Placer:
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    policy = admission_policy_from_dict({"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE}, 5.0)
+    policy = parse_section("admission", {"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE,
+                                         "max_wait_s": 5.0})
     return Placer(pool, policy)
 
 

@@ -1,7 +1,7 @@
 """The tenant share of prefill (P1f): the dominant tenant may prefill on only part of the pool while another
 tenant is active, so a quiet tenant's prompt finds a replica free of the flood's prefill."""
 
-from extproc.admission.policy import admission_policy_from_dict
+from extproc.config import parse_section
 from extproc.config import PoolConfig
 from extproc.request import LLMRequest
 from extproc.routing.placement import Placer
@@ -14,8 +14,8 @@ NORMAL = 1  # lane of 2,000-token prompts in the default lanes
 def placer(n: int = 4, **admission) -> Placer:
     """A placer with the tenant share on at 0.5 (the default, 1.0, is off; see test_share_is_off_by_default)."""
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    policy = admission_policy_from_dict({"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE,
-                                         "tenant_prefill_share": 0.5, **admission}, 5.0)
+    policy = parse_section("admission", {"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE,
+                                         "tenant_prefill_share": 0.5, "max_wait_s": 5.0, **admission})
     return Placer(pool, policy)
 
 
@@ -97,4 +97,4 @@ def test_a_tenant_that_spread_before_it_dominated_waits_until_it_is_back_within_
 
 def test_share_is_off_by_default() -> None:
     """Holding a dominant tenant costs its throughput (P1f), so it is opt-in."""
-    assert admission_policy_from_dict({}, 5.0).tenant_prefill_share == 1.0
+    assert parse_section("admission", {}).tenant_prefill_share == 1.0
