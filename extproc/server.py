@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -27,8 +26,7 @@ from extproc.config import Policy
 from pathlib import Path
 
 from extproc.admin.service import start_admin_server
-from extproc.admission.queue import Waiter
-from extproc.gateway import Gateway, Stream
+from extproc.gateway import Gateway
 from extproc.reload import PolicyWatcher, note_policy
 from extproc.routing.scrape import Scraper
 
@@ -36,7 +34,7 @@ log = logging.getLogger("sluice.server")
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """Moves ext_proc messages between Envoy and the Gateway's state machine."""
+    """Moves ext_proc messages between Envoy and the Gateway; every decision, state and hold is the Gateway's."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
@@ -44,20 +42,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         gw = self.gw
-        st = Stream()
-        m.OPEN_STREAMS.inc()
+        st = gw.open_stream()
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    answer = await gw.on_request_body(st, msg.request_body)
-                    if answer.__class__ is Waiter:
-                        # Held in the queue: ask Envoy to wait (once), then answer when dispatched or shed.
-                        yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
-                        answer = await gw.wait(st)
-                    yield answer
-                    if st.detached_at:
-                        return  # pinned, released by the access log: this ext_proc stream has nothing left to do
+                    yield await gw.on_request_body(st, msg.request_body)
+                    if st.held:  # Envoy was told to wait: the decision follows
+                        yield await gw.wait(st)
+                    if st.ended:
+                        return
                 elif kind == "request_headers":
                     yield gw.on_request_headers(st, msg.request_headers)
                 elif kind == "response_headers":
@@ -69,18 +63,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield R.CONTINUE_REQUEST_TRAILERS
         except asyncio.CancelledError:
-            if st.cut:
-                # Cut by the sidecar (slow consumer): an unsolicited immediate response makes Envoy reset both
-                # the client's stream and the replica's, which stops the generation.
-                yield R.immediate(408, "the client read the stream too slowly; it was cut", "slow_consumer")
-                return
-            # Envoy reset the stream: client gone, or the request simply ended (Envoy half-closes then
-            # resets). `finish` tells which from what was seen, not from this exception.
-            raise
+            answer = gw.on_cancelled(st)
+            if answer is None:
+                raise
+            yield answer
         finally:
-            if not st.detached_at:
-                gw.finish(st)
-                m.OPEN_STREAMS.dec()
+            gw.close(st)
 
 
 async def _metrics(_request: web.Request) -> web.Response:
