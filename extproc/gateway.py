@@ -29,7 +29,7 @@ from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, read_head, to_int
 from extproc.identity import Identity, UnknownKey
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.health import HealthTracker
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import Pool, Replica
 from extproc.stream import Hold, State, Stream
 from extproc.streaming import DrainWatch, ResponseObserver, Sampler

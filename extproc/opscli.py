@@ -203,15 +203,9 @@ def main_reload(argv: list[str] | None = None) -> int:
                 sidecar_only=True)
 
 
-def main_top(argv: list[str] | None = None) -> int:
-    from extproc.top import main
-
-    return main(argv)
-
-
 SUBCOMMANDS: dict[str, Callable[[list[str] | None], int]] = {
-    "status": main_status, "drain": main_drain, "undrain": main_undrain, "reload": main_reload, "top": main_top,
-}
+    "status": main_status, "drain": main_drain, "undrain": main_undrain, "reload": main_reload,
+}  # `sluice top` (extproc/top.py, which builds on this module) is added by the CLI
 HELP = {"status": "pools, replicas, lanes and queues of the running sidecar (admin API)",
         "drain": "stop sending new requests to a replica (ip:port)",
         "undrain": "return a drained replica through slow start",

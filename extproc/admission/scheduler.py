@@ -24,7 +24,7 @@ from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
 from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import Pool, Replica
 
 

@@ -9,7 +9,7 @@ from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.config import PoolConfig, parse_section, policy_from_dict
 from extproc.request import LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import EJECTED, Pool
 
 

@@ -4,7 +4,7 @@ tenant is active, so a quiet tenant's prompt finds a replica free of the flood's
 from extproc.config import parse_section
 from extproc.config import PoolConfig
 from extproc.request import LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import Pool, Replica
 
 RATE = 10_000.0  # prompt tokens/s: a 2,000-token prompt prefills in 0.2 s

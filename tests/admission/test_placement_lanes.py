@@ -3,7 +3,7 @@
 from extproc.config import parse_section
 from extproc.config import PoolConfig
 from extproc.request import LLMRequest
-from extproc.routing.placement import LANE, Placer
+from extproc.admission.placement import LANE, Placer
 from extproc.routing.pool import Pool, Replica
 
 RATE = 10_000.0  # prompt tokens/s: a 10,000-token prompt prefills in 1 s
