@@ -6,39 +6,37 @@
     the request's end (its ext_proc stream closes, or the access log reports it) ─► `finish` releases every hold
 
 Each message moves the request's `Stream` through its states (extproc/stream.py: the states, the transitions
-allowed, and the holds a stream takes). The gRPC plumbing lives in `server.py`; this module has no I/O, so it is
-unit-testable with plain protobuf messages.
+allowed, and the holds a stream takes). The pools' parts (health, placement, queues) are the Fleet's
+(fleet.py); requests followed after the answer are InFlight's (inflight.py). The gRPC plumbing lives in
+`server.py`; this module has no I/O, so it is unit-testable with plain protobuf messages.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import metrics as m
 from extproc import responses as R
-from extproc.admission.output_length import OutputLengths
-from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.admission.scheduler import Placement, Shed
 from extproc.budgets import BudgetExceeded, Budgets
 from extproc.config import Policy
+from extproc.fleet import Fleet
 from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, read_head, to_int
 from extproc.identity import Identity, UnknownKey
-from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
-from extproc.routing.health import HealthTracker
-from extproc.admission.placement import Placer
+from extproc.inflight import InFlight
+from extproc.request import ENDPOINTS, BadRequest, parse_body
 from extproc.routing.pool import Pool, Replica
 from extproc.stream import Hold, State, Stream
+from extproc.observed import ObservedStats
 from extproc.streaming import DrainWatch, ResponseObserver, Sampler
 from extproc.tokens import make_estimator
 
 if TYPE_CHECKING:
     from extproc.accesslog import AccessLogReceiver
-
-log = logging.getLogger("sluice.gateway")
 
 # The states, as module constants: an Enum member looked up on its class costs about 0.1 us, per use.
 NEW, HEADERS, QUEUED, FORWARDED, DETACHED = State.NEW, State.HEADERS, State.QUEUED, State.FORWARDED, State.DETACHED
@@ -47,128 +45,56 @@ _ANSWERED = (FORWARDED, RESPONDING)  # forwarded, the response's end not seen ye
 
 
 class Gateway:
-    """Holds the pools and their schedulers and decides for each stream. One instance per sidecar process."""
+    """Decides for each stream. One instance per sidecar process."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.pools: dict[str, Pool] = {p.model: Pool.from_config(p) for p in policy.pools}
+        self.fleet = Fleet(policy)
         lim = policy.limits
         self.estimator = make_estimator(lim.tokenizer, lim.tokenizer_path or None, lim.bytes_per_token)
         self.max_body = lim.max_body_bytes
         self.default_output = lim.default_output_tokens
-        self.admission = policy.admission
-        self._is_fresh: Callable[[Replica, float], bool] | None = None  # set when a scraper runs
-        self.routing = policy.routing
-        self.health = {name: HealthTracker(pool, self.routing.health) for name, pool in self.pools.items()}
-        self.placers = {name: self._placer(pool) for name, pool in self.pools.items()}
-        self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name])
-                           for name, pool in self.pools.items()}
-        self._pool_by_cluster = {pool.cluster: pool for pool in self.pools.values()}
-        self.scraper = None  # set by the server when scraping is on
-        self.estimate_ratio: dict[str, float] = {}  # replica-counted / estimated prompt tokens, from observations
-        self.output_lengths = OutputLengths()  # per app: expected output of requests without max_tokens
-        self.open_requests = 0
-        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
-        self.live: dict[str, Stream] = {}  # request id -> forwarded stream, only while slow consumers are cut
-        self.detached: dict[str, Stream] = {}  # request id -> forwarded stream whose ext_proc stream has closed
-        self.identity = Identity(policy.tenants)
-        self.budgets = Budgets(policy.budgets, capacity_tokens_per_s=self.capacity_tokens_per_s,
-                               sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
         self.streaming = policy.streaming
         self.sampler = Sampler(self.streaming)
-        self._tenant_gauges: dict[str, object] = {}
+        self.observed = ObservedStats()
+        self.inflight = InFlight(self.finish, self.streaming.slow_consumer)
+        self.identity = Identity(policy.tenants)
+        self.budgets = self.make_budgets(policy)
+        self.open_requests = 0
+        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.draining = False
-        self.access_log: AccessLogReceiver | None = None
+        self._tenant_gauges: dict[str, object] = {}
         self._replica_gauges: dict[Replica, tuple] = {}
+
+    # The Fleet's, by pool, for the decisions below (a reload rebuilds them in place).
+    pools = property(lambda self: self.fleet.pools)
+    schedulers = property(lambda self: self.fleet.schedulers)
+    admission = property(lambda self: self.fleet.admission)
+
+    def make_budgets(self, policy: Policy) -> Budgets:
+        return Budgets(policy.budgets, capacity_tokens_per_s=self.capacity_tokens_per_s,
+                       sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
+
+    def adopt(self, policy: Policy, identity: Identity, budgets: Budgets) -> None:
+        """A reload's new policy (extproc/reload.py has rebuilt the fleet): the objects that depend on it."""
+        self.policy = policy
+        self.identity = identity
+        self.budgets = budgets
+        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
+
+    def attach_access_log(self, receiver: AccessLogReceiver) -> None:
+        """Outcomes are counted from Envoy's access log (accesslog.py); health and InFlight listen there too."""
+        receiver.listeners.append(self.fleet.on_outcome)
+        self.inflight.attach(receiver)
+
+    def capacity_tokens_per_s(self, model: str) -> float:
+        """P10's capacity at cost, in the estimator's tokens: the detector counts estimated tokens, the engines
+        real ones, converted with the ratio observed responses showed."""
+        return self.fleet.capacity_tokens_per_s(model) / self.observed.estimate_ratio.get(model, 1.0)
 
     def _tenant_label(self, tenant: str) -> str:
         """The bounded tenant label of the current identity policy (it is replaced on reload)."""
         return self.identity.label(tenant)
-
-    def _gauges(self, r: Replica) -> tuple:
-        g = self._replica_gauges.get(r)
-        if g is None:
-            g = self._replica_gauges[r] = (m.INFLIGHT_REQUESTS.labels(r.pool, r.address),
-                                           m.INFLIGHT_TOKENS.labels(r.pool, r.address))
-        return g
-
-    def apply_policy(self, policy: Policy) -> list[str]:
-        """Hot reload: validate everything first (raises ValueError / PolicyError and changes nothing), then swap.
-
-        Replicas that stay keep their live state and accounting; requests in flight release to the objects
-        that placed them. Returns a list of human-readable changes."""
-        admission = policy.admission
-        if len(admission.lanes) != len(self.admission.lanes):
-            raise ValueError("admission.lanes: changing the number of lanes needs a restart")
-        budget_policy = policy.budgets
-        routing = policy.routing
-        identity = Identity(policy.tenants)
-        identity.open_streams = self.identity.open_streams
-        changes: list[str] = []
-        new_pools: dict[str, Pool] = {}
-        for cfg in policy.pools:
-            old = self.pools.get(cfg.model)
-            if old is None:
-                new_pools[cfg.model] = Pool.from_config(cfg)
-                changes.append(f"pool {cfg.model} added")
-                continue
-            keep = {r.address: r for r in old.replicas}
-            replicas = [keep.get(a) or Replica(address=a, pool=cfg.model) for a in cfg.replicas]
-            added = [a for a in cfg.replicas if a not in keep]
-            removed = [a for a in keep if a not in cfg.replicas]
-            if added or removed:
-                changes.append(f"pool {cfg.model}: +{added} -{removed}")
-            old.replicas = replicas
-            new_pools[cfg.model] = old
-        changes += [f"pool {name} removed" for name in self.pools if name not in new_pools]
-        self.policy = policy
-        self.admission = admission
-        self.identity = identity
-        self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
-        self.pools = new_pools
-        self.routing = routing
-        self.health = {name: self.health[name] if name in self.health and self.health[name].pool is pool
-                       else HealthTracker(pool, routing.health) for name, pool in new_pools.items()}
-        for tracker in self.health.values():
-            tracker.policy = routing.health
-        old_schedulers = self.schedulers
-        self._pool_by_cluster = {pool.cluster: pool for pool in new_pools.values()}
-        self.placers = {name: self._placer(pool) for name, pool in new_pools.items()}
-        if self.scraper is not None:
-            self.scraper.pools[:] = [p for p in new_pools.values() if p.metrics_style != "none"]
-        self.schedulers = {name: Scheduler(pool, admission, self.placers[name]) for name, pool in new_pools.items()}
-        for name, old_sched in old_schedulers.items():
-            new_sched = self.schedulers.get(name)
-            if new_sched is not None and admission.calibrate_prompt_tokens:
-                new_sched.calibration = old_sched.calibration  # what the engines counted still holds
-                new_sched.calibration.enabled = True
-                new_sched.m.estimate_factor(new_sched.calibration.factor)
-            self._migrate_queue(old_sched, new_sched)
-        if budget_policy != self.budgets.policy:
-            self.budgets = Budgets(budget_policy, capacity_tokens_per_s=self.capacity_tokens_per_s,
-                                   sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
-            changes.append("budgets policy replaced")
-        return changes or ["no change"]
-
-    def _migrate_queue(self, old: Scheduler, new: Scheduler | None) -> None:
-        """Requests waiting under the old policy keep their place: re-queued (same deadline) or shed if the
-        pool is gone."""
-        for lane, queue in enumerate(old.queues):
-            while queue.size:
-                w = queue.peek()
-                assert w is not None
-                queue.pop(w)
-                old.m.queued(lane, w.priority, -1)
-                if w.future.done():
-                    continue
-                if new is None:
-                    w.future.set_exception(Shed(503, "pool_removed", "the pool was removed by a policy reload"))
-                    continue
-                new.queues[lane].push(w)
-                new.m.queued(lane, w.priority, +1)
-        if new is not None and new.queued_total():
-            new._arm_timer()
-            new.kick()
 
     def _tenant_gauge(self, tenant: str) -> object:
         label = self.identity.label(tenant)
@@ -177,119 +103,12 @@ class Gateway:
             g = self._tenant_gauges[label] = m.TENANT_OPEN_STREAMS.labels(label)
         return g
 
-    def attach_access_log(self, receiver: AccessLogReceiver) -> None:
-        """Outcomes are counted from Envoy's access log (see accesslog.py); routing listens there too."""
-        self.access_log = receiver
-        receiver.listeners.append(self.on_access_log)
-        receiver.progress_listeners.append(self.on_progress)
-        receiver.end_listeners.append(self.on_request_end)
-
-    # ---- detached requests: the ext_proc stream ends with the pin answer -------------------------------------
-    def _detach(self, st: Stream, request_id: str) -> None:
-        """Let the ext_proc stream end once the request is pinned; its slots are released when Envoy's access log
-        reports the request's end. An ext_proc stream held open for the whole response costs about 64 KB per
-        open stream (Envoy's side stream plus the grpc.aio call; measured in P12), and nothing more is needed
-        from it unless the sidecar cuts slow consumers or observes the body. Needs the access log (the only
-        other way to learn the end) and a request id no other open request uses."""
-        if self.access_log is None or not request_id or request_id in self.detached:
-            return
-        st.take(Hold.DETACHED)
-        st.move(DETACHED)
-        st.detached_at = time.monotonic()
-        self.detached[request_id] = st
-
-    def on_request_end(self, request_id: str, status: int) -> None:
-        """Envoy's final access-log entry of a request: release a detached one (exactly once: popped)."""
-        st = self.detached.get(request_id)
-        if st is not None:
-            st.status = status
-            self.finish(st)
-
-    def sweep_detached(self, max_age_s: float) -> int:
-        """Release detached requests whose end never arrived (an access-log entry lost while Envoy reconnected):
-        older than any request can live. Returns how many were released."""
-        if not self.detached:
-            return 0
-        cutoff = time.monotonic() - max_age_s
-        stale = [rid for rid, st in self.detached.items() if st.detached_at < cutoff]
-        for rid in stale:
-            self.on_request_end(rid, self.detached[rid].status)
-        if stale:
-            m.DETACHED_SWEPT.inc(len(stale))
-            log.warning("released %d requests whose end Envoy's access log never reported", len(stale))
-        return len(stale)
-
-    def on_progress(self, request_id: str, bytes_sent: int) -> None:
-        """Envoy's periodic report of an open request: cut it if its client drains too slowly (P13)."""
-        st = self.live.get(request_id)
-        if st is None or st.watch is None or st.state not in _ANSWERED:
-            return
-        if st.watch.update(bytes_sent, time.monotonic(), self.streaming.slow_consumer):
-            st.move(CUT)
-            if st.pool is not None:
-                m.SLOW_STREAMS_CUT.labels(st.pool.model).inc()
-            if st.task is not None:
-                st.task.cancel()  # the servicer answers with an immediate response: client and replica reset
-
-    def _placer(self, pool: Pool) -> Placer:
-        placer = Placer(pool, self.admission, self._is_fresh)
-        if self.routing.health.enabled:
-            placer.allow_probe = self.health[pool.model].allow_probe
-        return placer
-
-    def set_freshness(self, is_fresh: Callable[[Replica, float], bool]) -> None:
-        """With a scraper running, replicas whose metrics are stale count as saturated."""
-        self._is_fresh = is_fresh
-        for placer in self.placers.values():
-            placer.is_fresh = is_fresh
-
-    def on_scrape_round(self) -> None:
-        """After every scrape: health re-evaluates each replica (weights, states), then queued requests that
-        now fit are dispatched."""
-        if self.routing.health.enabled:
-            now = time.monotonic()
-            for tracker in self.health.values():
-                tracker.on_scrape_round(now)
-        now = time.monotonic()
-        for sched in self.schedulers.values():
-            sched.on_scrape(now)
-        self.kick_all()
-
-    def on_access_log(self, outcome: str, entry: "HTTPAccessLogEntry") -> None:  # noqa: F821
-        """Envoy's access log says how each forwarded request ended on which replica: errors feed health."""
-        pool = self._pool_by_cluster.get(entry.common_properties.upstream_cluster)
-        if pool is None or not self.routing.health.enabled:
-            return
-        sock = entry.common_properties.upstream_remote_address.socket_address
-        if sock.address:
-            self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome)
-
-    def capacity_tokens_per_s(self, model: str) -> float:
-        """A pool's token throughput, for P10's capacity-at-cost report: per routable replica the prompt-token rate
-        (over the scrape window) its engine showed the last time it was busy, else the
-        policy's prefill rate. The last busy rate, not the peak: prefill per token slows as prompts grow, and the
-        report is about the prompts now being sent."""
-        pool = self.pools.get(model)
-        if pool is None:
-            return 0.0
-        total = 0.0
-        for r in pool.replicas:
-            if not r.routable:
-                continue
-            e = r.engine
-            busy = e.running + e.waiting > 0
-            seen = e.prompt_tps  # prefill dominates a long prompt's cost (and completions are mostly unobserved)
-            if busy and seen > 0:
-                r.peak_tps = seen
-            total += r.peak_tps or self.admission.prefill_tokens_per_s
-        # The detector counts estimated tokens; the engine counts real ones: convert with the observed ratio.
-        return total / self.estimate_ratio.get(model, 1.0)
-
-    def kick_all(self) -> None:
-        """Capacity may have changed (scrape, health): dispatch what now fits."""
-        for sched in self.schedulers.values():
-            if sched.queued_total():
-                sched.kick()
+    def _gauges(self, r: Replica) -> tuple:
+        g = self._replica_gauges.get(r)
+        if g is None:
+            g = self._replica_gauges[r] = (m.INFLIGHT_REQUESTS.labels(r.pool, r.address),
+                                           m.INFLIGHT_TOKENS.labels(r.pool, r.address))
+        return g
 
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
@@ -345,7 +164,7 @@ class Gateway:
         sched.calibrate(req)
         head.identify(req, st.start)
         if not req.output_limited:
-            learned = self.output_lengths.expected(req.model, req.app)
+            learned = self.observed.output_lengths.expected(req.model, req.app)
             if learned:
                 req.max_output_tokens = learned
         st.req = req
@@ -428,10 +247,9 @@ class Gateway:
         if self.streaming.slow_consumer.enabled and req.request_id:
             st.watch = DrainWatch()
             st.task = asyncio.current_task()
-            st.take(Hold.LIVE)
-            self.live[req.request_id] = st
+            self.inflight.watch(st, req.request_id)
         elif st.observer is None:
-            self._detach(st, req.request_id)
+            self.inflight.detach(st, req.request_id)
         return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
 
     def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:
@@ -486,23 +304,6 @@ class Gateway:
             st.move(DONE)
         return R.CONTINUE_RESPONSE_BODY
 
-    def _record_observation(self, model: str, req: LLMRequest,
-                            obs: ResponseObserver) -> tuple[int | None, int | None]:
-        m.OBSERVED_REQUESTS.labels(model).inc()
-        ttft = obs.ttft_s
-        if ttft is not None:
-            m.OBSERVED_TTFT.labels(model).observe(ttft)
-        completion = obs.completion_tokens
-        if completion is not None and obs.done and not req.output_limited:
-            self.output_lengths.observe(model, req.app, completion // max(1, req.n))
-        prompt = obs.prompt_tokens
-        if prompt is not None and req.prompt_tokens > 0:
-            ratio = prompt / req.prompt_tokens
-            m.PROMPT_ESTIMATE_RATIO.labels(model).observe(ratio)
-            old = self.estimate_ratio.get(model)
-            self.estimate_ratio[model] = ratio if old is None else 0.8 * old + 0.2 * ratio
-        return prompt, completion
-
     # ---- the end: cancelled, closed, finished ------------------------------------------------------------
     def on_cancelled(self, st: Stream) -> pb.ProcessingResponse | None:
         """The servicer's task was cancelled. A stream the sidecar cut (slow consumer) answers with an unsolicited
@@ -535,17 +336,12 @@ class Gateway:
         prompt_actual = completion_actual = None
         obs = st.observer
         if obs is not None and req is not None and st.pool is not None:
-            prompt_actual, completion_actual = self._record_observation(st.pool.model, req, obs)
+            prompt_actual, completion_actual = self.observed.record(st.pool.model, req, obs)
             if obs.done and st.state in _ANSWERED:
                 st.move(DONE)
         forwarded = bool(st.holds & Hold.PLACEMENT)
-        if st.drop(Hold.DETACHED):
-            if self.detached.get(req.request_id) is st:  # type: ignore[union-attr]
-                del self.detached[req.request_id]  # type: ignore[union-attr]
-        if st.drop(Hold.LIVE):
-            if self.live.get(req.request_id) is st:  # type: ignore[union-attr]
-                del self.live[req.request_id]  # type: ignore[union-attr]
-            st.watch = st.task = None
+        if holds & (Hold.DETACHED | Hold.LIVE):
+            self.inflight.forget(st, req.request_id)  # type: ignore[union-attr]
         placement = st.placement
         if st.drop(Hold.GAUGES):
             gauges = self._gauges(placement.replica)  # type: ignore[union-attr]

@@ -28,7 +28,6 @@ from pathlib import Path
 from extproc.admin.service import start_admin_server
 from extproc.gateway import Gateway
 from extproc.reload import PolicyWatcher, note_policy
-from extproc.routing.scrape import Scraper
 
 log = logging.getLogger("sluice.server")
 
@@ -87,32 +86,15 @@ def make_http_app(gateway: Gateway, state: dict[str, bool]) -> web.Application:
     return app
 
 
-def _start_scraper(gateway: Gateway) -> Scraper | None:
-    """Scrape every replica's engine metrics every routing.scrape_interval_s. Pools with metrics_style "none"
-    (OpenAI-compatible servers without /metrics) are not scraped: only the sidecar's own accounting is used."""
-    scraped = [p for p in gateway.pools.values() if p.metrics_style != "none"]
-    if not scraped:
-        return None
-    scraper = Scraper(scraped, gateway.routing)
-    scraper.listeners.append(gateway.on_scrape_round)
-    unscraped = {p.model for p in gateway.pools.values() if p.metrics_style == "none"}
-    if unscraped:
-        gateway.set_freshness(lambda r, now: r.pool in unscraped or scraper.is_fresh(r, now))
-    else:
-        gateway.set_freshness(scraper.is_fresh)
-    gateway.scraper = scraper
-    return scraper
-
-
 DETACHED_SWEEP_S = 10.0
 NO_ROUTE_TIMEOUT_MAX_AGE_S = 3600.0  # no route timeout (streams may be long): a lost end is released after this
 
 
 async def _sweep_detached(gateway: Gateway, max_age_s: float) -> None:
-    """Backstop for detached requests (see Gateway._detach) whose access-log end was lost."""
+    """Backstop for detached requests (inflight.py) whose access-log end was lost."""
     while True:
         await asyncio.sleep(DETACHED_SWEEP_S)
-        gateway.sweep_detached(max_age_s)
+        gateway.inflight.sweep(max_age_s)
 
 
 async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
@@ -137,7 +119,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     await runner.setup()
     site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
     await gateway.budgets.start()
-    scraper = _start_scraper(gateway)
+    scraper = gateway.fleet.make_scraper()
     if scraper is not None:
         await scraper.scrape_once()  # first numbers before taking traffic (stale counts as saturated)
         await scraper.start()

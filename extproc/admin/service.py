@@ -76,7 +76,7 @@ def pool_status(gateway: Gateway, pool: Pool, now: float | None = None) -> pb.Po
 
     now = time.monotonic() if now is None else now
     out = pb.PoolStatus(model=pool.model, cluster=pool.cluster,
-                        all_degraded=gateway.health[pool.model].all_degraded,
+                        all_degraded=gateway.fleet.health[pool.model].all_degraded,
                         inflight_requests=pool.inflight_requests, inflight_tokens=pool.inflight_tokens)
     out.replicas.extend(replica_status(r, now) for r in pool.replicas)
     sched = gateway.schedulers.get(pool.model)
@@ -101,7 +101,7 @@ def pool_status(gateway: Gateway, pool: Pool, now: float | None = None) -> pb.Po
 def begin_slow_start(gateway: Gateway, pool: Pool, r: Replica, now: float | None = None) -> None:
     """Put a replica at the start of slow start (RECOVERING, first step weight) through the pool's health
     tracker, so its step timer restarts too."""
-    gateway.health[pool.model].begin_slow_start(r, UNDRAIN_REASON, "operator undrain", now)
+    gateway.fleet.health[pool.model].begin_slow_start(r, UNDRAIN_REASON, "operator undrain", now)
 
 
 class ReplicaNotFound(LookupError):
@@ -150,7 +150,7 @@ def undrain(gateway: Gateway, address: str, pool: str = "") -> pb.DrainResponse:
         if not (r.engine.scrape_failures and r.state in (DEGRADED, EJECTED)):
             begin_slow_start(gateway, p, r)  # an unreachable one stays put: health starts it once it answers
         log.warning("replica %s/%s undrained by operator: %s at weight %g", p.model, r.address, r.state, r.weight)
-        gateway.kick_all()  # capacity came back: dispatch what waits
+        gateway.fleet.kick_all()  # capacity came back: dispatch what waits
         msg = f"{r.address} undrained: {r.state} at weight {r.weight:g} (slow start)"
     else:
         msg = f"{r.address} was not drained ({r.state}, weight {r.weight:g})"

@@ -133,7 +133,7 @@ async def test_undrain_goes_through_the_health_tracker(admin: AdminEnv):
     pool = gw.pools["m"]
     policy = HealthPolicy(slow_start_steps=(0.1, 0.5, 1.0), slow_start_step_s=5.0)
     tracker = HealthTracker(pool, policy)
-    gw.health = {"m": tracker}  # type: ignore[attr-defined]
+    gw.fleet.health["m"] = tracker
     r = pool.replicas[1]
     r.engine.scraped_at = time.monotonic()
     tracker.tick(time.monotonic() - 100)  # long healthy: its step timer is old

@@ -300,7 +300,7 @@ def _assert_released(gw: Gateway, streams: list[Stream] = ()) -> None:
         assert sched.queued_total() == 0
         assert sum(sched.lane_requests) == 0 and sum(sched.lane_tokens) == 0
     assert gw.identity.open_streams == {}
-    assert getattr(gw, "open_requests", 0) == 0 and not getattr(gw, "live", {})
+    assert gw.open_requests == 0 and not gw.inflight.live and not gw.inflight.detached
 
 
 @FUZZ

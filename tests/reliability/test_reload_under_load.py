@@ -1,6 +1,6 @@
 """Policy reload under load (issue #10, part 2).
 
-In-process: `Gateway.apply_policy` (what every reload path calls) swapped back and forth while many requests are
+In-process: `apply_policy` (what every reload path calls) swapped back and forth while many requests are
 submitted, queued, dispatched, cancelled and released: nothing is lost or left counted.
 End to end: rewrite the stack's policy.yaml and SIGHUP the sidecar while streams are running.
 """
@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import policy_from_dict
 from extproc.gateway import Gateway
+from extproc.reload import apply_policy
 from extproc.routing.pool import Replica
 from extproc.config import policy_to_dict
 
@@ -104,7 +105,7 @@ async def test_apply_policy_under_concurrent_load() -> None:
         for k in range(40):
             await asyncio.sleep(rng.uniform(0.005, 0.03))
             note_replicas()
-            gw.apply_policy(policy_from_dict(VARIANTS[(k + 1) % len(VARIANTS)]))
+            apply_policy(gw, policy_from_dict(VARIANTS[(k + 1) % len(VARIANTS)]))
             note_replicas()
             reloads += 1
 
@@ -151,7 +152,7 @@ async def test_reload_keeps_lane_counters_of_inflight_requests() -> None:
     placement = gw.schedulers[POOL].submit(req, 0.0)
     replica = placement.replica
     assert replica.lane_inflight[placement.lane] == 1
-    gw.apply_policy(policy_from_dict(BASE))  # same policy: a no-op reload
+    apply_policy(gw, policy_from_dict(BASE))  # same policy: a no-op reload
     assert replica.lane_inflight[placement.lane] == 1, "the reload forgot a request in flight"
     placement.owner.release(placement, req)
     assert replica.lane_inflight == [0] * len(replica.lane_inflight)
