@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from prometheus_client import Counter, Gauge
-
 from extproc.admission.scheduler import Shed
+from extproc.metrics import LAST_RELOAD_TS, LAST_SUCCESS, MAX_DOWNSTREAM_CONNECTIONS, RELOADS
 from extproc.config import Policy, PolicyError, PoolConfig, load_policy
 from extproc.identity import Identity
 from extproc.routing.pool import Pool, Replica
@@ -37,18 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.reload")
 
-RELOADS = Counter("sluice_policy_reloads_total",
-                  "Policy reload attempts (file change, SIGHUP, admin API), by result: ok (applied) or error "
-                  "(rejected; the previous policy stays in force).", ["result"])
-LAST_SUCCESS = Gauge("sluice_policy_last_reload_success",
-                     "1 when the last policy reload attempt was applied (or none was made since start), 0 when it "
-                     "was rejected and an older policy is in force.")
-LAST_RELOAD_TS = Gauge("sluice_policy_last_reload_timestamp_seconds",
-                       "Unix time of the last policy reload attempt (0: none since start).")
-MAX_DOWNSTREAM_CONNECTIONS = Gauge(
-    "sluice_policy_max_downstream_connections",
-    "gateway.max_downstream_connections of the policy in force: Envoy's overload-manager limit on client "
-    "connections (alerts compare envoy_http_downstream_cx_active with it).")
 _OK, _ERROR = RELOADS.labels("ok"), RELOADS.labels("error")
 
 TRIGGERS = ("admin", "sighup", "file_change")

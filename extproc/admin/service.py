@@ -19,10 +19,10 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 
 import grpc
-from prometheus_client import Gauge
 
 from extproc.admin import admin_pb2 as pb
 from extproc.admin import admin_pb2_grpc as pb_grpc
+from extproc.metrics import REPLICA_DRAINING
 from extproc.routing.pool import DEGRADED, EJECTED, Pool, Replica
 
 if TYPE_CHECKING:
@@ -30,10 +30,6 @@ if TYPE_CHECKING:
     from extproc.reload import ReloadResult
 
 log = logging.getLogger("sluice.admin")
-
-REPLICA_DRAINING = Gauge("sluice_replica_draining",
-                         "1 while an operator has drained the replica (sluice drain): it takes no new requests.",
-                         ["pool", "replica"])
 
 UNDRAIN_REASON = "undrain"
 
