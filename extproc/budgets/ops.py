@@ -150,6 +150,7 @@ class SettleOp:
     idle_s: float = 0.0
 
 
+@dataclass(slots=True)
 class AdmitResult:
     """Outcome of an AdmitOp. On OK everything was charged; otherwise nothing was.
 
@@ -157,20 +158,12 @@ class AdmitResult:
     (to compute Retry-After) and `limit` is the limit actually enforced (scaled in local mode).
     """
 
-    __slots__ = ("code", "is_retry", "detail", "used", "limit", "cur", "prev", "frac", "backend")
-
-    def __init__(self, code: int, is_retry: bool, backend: str, detail: str = "", used: float = 0.0,
-                 limit: float = 0.0, cur: float = 0.0, prev: float = 0.0, frac: float = 0.0) -> None:
-        self.code = code
-        self.is_retry = is_retry
-        self.backend = backend
-        self.detail = detail
-        self.used = used
-        self.limit = limit
-        self.cur = cur
-        self.prev = prev
-        self.frac = frac
-
-    def __repr__(self) -> str:
-        return (f"AdmitResult(code={self.code}, is_retry={self.is_retry}, backend={self.backend}, "
-                f"detail={self.detail!r}, used={self.used}, limit={self.limit})")
+    code: int
+    is_retry: bool
+    backend: str
+    detail: str = ""
+    used: float = 0.0
+    limit: float = 0.0
+    cur: float = 0.0
+    prev: float = 0.0
+    frac: float = 0.0
