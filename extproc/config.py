@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -222,10 +223,11 @@ def policy_from_dict(data: dict[str, Any], source: str = "<dict>") -> Policy:
 def parse_section(name: str, data: Any) -> Any:
     """One section of the policy file (`admission`, `routing`, ...) by the same builder, for code and tests that
     need a section alone. Derived values that depend on other sections (admission.max_wait_s = 0) stay unset."""
-    f = file_fields(Policy).get(name)
-    if f is None or f.default_factory is dataclasses.MISSING or name == "pools":
-        raise PolicyError(f"{name}: unknown section (known: {', '.join(file_fields(Policy))})")
-    return build(type(f.default_factory()), data, name)
+    cls = typing.get_type_hints(Policy).get(name)
+    if name not in file_fields(Policy) or not dataclasses.is_dataclass(cls):
+        sections = [n for n in file_fields(Policy) if dataclasses.is_dataclass(typing.get_type_hints(Policy)[n])]
+        raise PolicyError(f"{name}: not a section of mappings (those are: {', '.join(sections)})")
+    return build(cls, data, name)
 
 
 def policy_to_dict(policy: Policy) -> dict[str, Any]:
