@@ -327,9 +327,9 @@ class Gateway:
         holds = st.holds
         if not holds:
             return st.state
-        req = st.req
+        req = st.req  # set before any hold but OPEN_STREAM is taken
         if holds & Hold.WAITER and not holds & Hold.PLACEMENT:
-            fut = st.waiter.future  # type: ignore[union-attr]
+            fut = st.waiter.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 st.placement = fut.result()  # dispatched just as the client left: released below
                 st.take(Hold.PLACEMENT)
@@ -341,40 +341,40 @@ class Gateway:
                 st.move(DONE)
         forwarded = bool(st.holds & Hold.PLACEMENT)
         if holds & (Hold.DETACHED | Hold.LIVE):
-            self.inflight.forget(st, req.request_id)  # type: ignore[union-attr]
+            self.inflight.forget(st, req.request_id)
         placement = st.placement
         if st.drop(Hold.GAUGES):
-            gauges = self._gauges(placement.replica)  # type: ignore[union-attr]
+            gauges = self._gauges(placement.replica)
             gauges[0].dec()
-            gauges[1].dec(req.total_tokens)  # type: ignore[union-attr]
+            gauges[1].dec(req.total_tokens)
         if st.drop(Hold.PLACEMENT):
-            replica = placement.replica  # type: ignore[union-attr]
-            if placement.owner is not None:  # type: ignore[union-attr]
-                placement.owner.release(placement, req)  # type: ignore[union-attr, arg-type]
+            replica = placement.replica
+            if placement.owner is not None:
+                placement.owner.release(placement, req)
             else:
-                replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)  # type: ignore[union-attr]
+                replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)
             if st.status >= 500:
                 replica.errors_total += 1
             st.placement = None
         if st.drop(Hold.WAITER):
             w = st.waiter
-            sched = self.schedulers.get(st.pool.model)  # type: ignore[union-attr]
+            sched = self.schedulers.get(st.pool.model)
             if sched is not None:
-                sched.abandon(w)  # type: ignore[arg-type]
-            if not w.future.done():  # type: ignore[union-attr]
-                w.future.cancel()  # type: ignore[union-attr]
+                sched.abandon(w)
+            if not w.future.done():
+                w.future.cancel()
         if st.drop(Hold.BUDGET):
             # Never forwarded (shed after the budget check): refund its tokens. Forwarded: actual usage where
             # the body was observed, else the estimate stands.
             if not forwarded:
                 prompt_actual = completion_actual = 0
-            st.budgets.settle_sync(  # type: ignore[union-attr]
+            st.budgets.settle_sync(
                 st.charge, completed=forwarded and st.status < 500,
                 prompt_tokens=prompt_actual, completion_tokens=completion_actual)
             st.charge = None
         if st.drop(Hold.TENANT_STREAM):
-            self.identity.close(req.tenant)  # type: ignore[union-attr]
-            self._tenant_gauge(req.tenant).dec()  # type: ignore[union-attr, attr-defined]
+            self.identity.close(req.tenant)
+            self._tenant_gauge(req.tenant).dec()
         if st.drop(Hold.OPEN_REQUEST):
             self.open_requests -= 1
         if st.drop(Hold.OPEN_STREAM):
