@@ -113,10 +113,8 @@ class Gateway:
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
         """A new ext_proc stream, counted in sluice_open_streams until `finish`."""
-        st = Stream()
-        st.take(Hold.OPEN_STREAM)
         m.OPEN_STREAMS.inc()
-        return st
+        return Stream(holds=Hold.OPEN_STREAM)
 
     def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         """Note the head and wait for the body (Envoy pipelines it right behind)."""
@@ -151,7 +149,8 @@ class Gateway:
         except BadRequest as exc:
             return self._reject(st, R.immediate(exc.status, exc.message, exc.code, err_type=exc.err_type,
                                                 param=exc.param))
-        pool = self.pools.get(req.model)
+        fleet = self.fleet
+        pool = fleet.pools.get(req.model)
         if pool is None:
             return self._reject(st, R.immediate(404, f"The model `{req.model}` does not exist.", "model_not_found",
                                                 param="model"))
@@ -160,7 +159,7 @@ class Gateway:
         except UnknownKey:
             return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
                                                 "invalid_api_key", err_type="authentication_error"))
-        sched = self.schedulers[pool.model]
+        sched = fleet.schedulers[pool.model]
         sched.calibrate(req)
         head.identify(req, st.start)
         if not req.output_limited:
@@ -190,7 +189,7 @@ class Gateway:
         except BudgetExceeded as exc:
             return self._reject(st, R.immediate(exc.status, exc.message, exc.code, err_type=exc.err_type,
                                                 retry_after_s=exc.retry_after_s, should_retry=exc.should_retry))
-        if not self.admission.enabled:
+        if not fleet.admission.enabled:
             return self._forward_unmetered(st, pool, t0)
         try:
             result = sched.submit(req, st.start)
@@ -230,12 +229,11 @@ class Gateway:
         req = st.req
         assert req is not None and st.pool is not None
         st.placement = placement
-        st.take(Hold.PLACEMENT)
+        st.take(Hold.PLACEMENT | Hold.GAUGES)
         st.move(FORWARDED)
-        primary = placement.replica
-        self._gauges(primary)[0].inc()
-        self._gauges(primary)[1].inc(req.total_tokens)
-        st.take(Hold.GAUGES)
+        gauges = self._gauges(placement.replica)
+        gauges[0].inc()
+        gauges[1].inc(req.total_tokens)
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
@@ -324,11 +322,10 @@ class Gateway:
         nothing held). Returns what the stream itself saw: DONE when the response's end was seen (trailers, or the
         last body chunk when observed), else its last state: with the cheap response mode a finished and an
         abandoned request look alike here, so the authoritative outcome is counted from Envoy's access log."""
-        holds = st.holds
-        if not holds:
+        if not st.holds:
             return st.state
         req = st.req  # set before any hold but OPEN_STREAM is taken
-        if holds & Hold.WAITER and not holds & Hold.PLACEMENT:
+        if st.holds & Hold.WAITER and not st.holds & Hold.PLACEMENT:
             fut = st.waiter.future
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 st.placement = fut.result()  # dispatched just as the client left: released below
@@ -339,15 +336,16 @@ class Gateway:
             prompt_actual, completion_actual = self.observed.record(st.pool.model, req, obs)
             if obs.done and st.state in _ANSWERED:
                 st.move(DONE)
-        forwarded = bool(st.holds & Hold.PLACEMENT)
+        holds, st.holds = st.holds, 0  # each released once, below, in the reverse order of Hold
+        forwarded = bool(holds & Hold.PLACEMENT)
         if holds & (Hold.DETACHED | Hold.LIVE):
-            self.inflight.forget(st, req.request_id)
+            self.inflight.forget(st, req.request_id, holds)
         placement = st.placement
-        if st.drop(Hold.GAUGES):
+        if holds & Hold.GAUGES:
             gauges = self._gauges(placement.replica)
             gauges[0].dec()
             gauges[1].dec(req.total_tokens)
-        if st.drop(Hold.PLACEMENT):
+        if holds & Hold.PLACEMENT:
             replica = placement.replica
             if placement.owner is not None:
                 placement.owner.release(placement, req)
@@ -356,14 +354,14 @@ class Gateway:
             if st.status >= 500:
                 replica.errors_total += 1
             st.placement = None
-        if st.drop(Hold.WAITER):
+        if holds & Hold.WAITER:
             w = st.waiter
             sched = self.schedulers.get(st.pool.model)
             if sched is not None:
                 sched.abandon(w)
             if not w.future.done():
                 w.future.cancel()
-        if st.drop(Hold.BUDGET):
+        if holds & Hold.BUDGET:
             # Never forwarded (shed after the budget check): refund its tokens. Forwarded: actual usage where
             # the body was observed, else the estimate stands.
             if not forwarded:
@@ -372,11 +370,11 @@ class Gateway:
                 st.charge, completed=forwarded and st.status < 500,
                 prompt_tokens=prompt_actual, completion_tokens=completion_actual)
             st.charge = None
-        if st.drop(Hold.TENANT_STREAM):
+        if holds & Hold.TENANT_STREAM:
             self.identity.close(req.tenant)
             self._tenant_gauge(req.tenant).dec()
-        if st.drop(Hold.OPEN_REQUEST):
+        if holds & Hold.OPEN_REQUEST:
             self.open_requests -= 1
-        if st.drop(Hold.OPEN_STREAM):
+        if holds & Hold.OPEN_STREAM:
             m.OPEN_STREAMS.dec()
         return st.state

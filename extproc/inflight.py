@@ -59,11 +59,11 @@ class InFlight:
         self.detached[request_id] = st
         return True
 
-    def forget(self, st: Stream, request_id: str) -> None:
-        """Release the registrations the stream holds (from Gateway.finish)."""
-        if st.drop(Hold.DETACHED) and self.detached.get(request_id) is st:
+    def forget(self, st: Stream, request_id: str, holds: int) -> None:
+        """Release the registrations among `holds` (Gateway.finish, which has cleared them on the stream)."""
+        if holds & Hold.DETACHED and self.detached.get(request_id) is st:
             del self.detached[request_id]
-        if st.drop(Hold.LIVE):
+        if holds & Hold.LIVE:
             if self.live.get(request_id) is st:
                 del self.live[request_id]
             st.watch = st.task = None

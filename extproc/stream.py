@@ -34,16 +34,22 @@ if TYPE_CHECKING:
     from extproc.streaming import DrainWatch, ResponseObserver
 
 
-class State(enum.Enum):
-    NEW = "new"                # the stream is open; the request headers have not arrived
-    HEADERS = "headers"        # the request headers are read; the buffered body is expected next
-    QUEUED = "queued"          # within every budget, held in its lane's queue until a replica fits it
-    FORWARDED = "forwarded"    # pinned to a replica and answered; its ext_proc stream stays open for the response
-    DETACHED = "detached"      # pinned; its ext_proc stream ended with the answer, Envoy's access log reports the end
-    RESPONDING = "responding"  # the response headers passed; the body is streaming
-    CUT = "cut"                # the sidecar cuts it (slow consumer): client and replica are reset
-    DONE = "done"              # the response's end was seen (trailers, or the last body chunk when observed)
-    REJECTED = "rejected"      # the sidecar answered it itself (an immediate response); it never reached a replica
+class State(enum.IntEnum):
+    """(An IntEnum: hashed and compared in C, where a plain Enum member's hash is a Python call, per transition.)"""
+
+    NEW = 0         # the stream is open; the request headers have not arrived
+    HEADERS = 1     # the request headers are read; the buffered body is expected next
+    QUEUED = 2      # within every budget, held in its lane's queue until a replica fits it
+    FORWARDED = 3   # pinned to a replica and answered; its ext_proc stream stays open for the response
+    DETACHED = 4    # pinned; its ext_proc stream ended with the answer, Envoy's access log reports the end
+    RESPONDING = 5  # the response headers passed; the body is streaming
+    CUT = 6         # the sidecar cuts it (slow consumer): client and replica are reset
+    DONE = 7        # the response's end was seen (trailers, or the last body chunk when observed)
+    REJECTED = 8    # the sidecar answered it itself (an immediate response); it never reached a replica
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
@@ -105,12 +111,13 @@ class Stream:
     def move(self, to: State) -> None:
         """The one way a stream changes state."""
         if to not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"{self.state.value} -> {to.value}")
+            raise IllegalTransition(f"{self.state.label} -> {to.label}")
         self.state = to
 
     def take(self, hold: int) -> None:
-        """Holds are taken in their declared order, so releasing them in reverse undoes them like a stack."""
-        if self.holds >= hold:
+        """Holds are taken in their declared order, so releasing them in reverse undoes them like a stack (`hold`
+        may be several bits taken together)."""
+        if self.holds >= hold & -hold:
             raise IllegalTransition(f"hold {Hold.names(hold)} taken while holding {Hold.names(self.holds)}")
         self.holds |= hold
 

@@ -26,6 +26,6 @@ def only_legal_transitions() -> Iterator[Counter[tuple[State, State]]]:
         yield seen
     finally:
         Stream.move = original  # type: ignore[method-assign]
-    illegal = sorted(f"{a.value}->{b.value}" for a, b in seen if b not in TRANSITIONS[a])
+    illegal = sorted(f"{a.label}->{b.label}" for a, b in seen if b not in TRANSITIONS[a])
     assert not illegal, f"illegal transitions: {illegal}"
     assert seen, "no transition happened"

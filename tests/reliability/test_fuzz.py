@@ -387,7 +387,7 @@ def test_gateway_accounting_under_contention(requests: list) -> None:
     with only_legal_transitions() as seen:
         asyncio.run(run())
     for (a, b) in seen:
-        event(f"transition: {a.value} -> {b.value}")
+        event(f"transition: {a.label} -> {b.label}")
 
 
 @pytest.mark.parametrize("header, value", [("x-sluice-deadline-ms", b"inf"), ("x-sluice-deadline-ms", b"1e309"),
