@@ -1,29 +1,21 @@
 #!/usr/bin/env python3
-"""Generate docs/configuration.md from the policy dataclasses: every field, its default and its effect.
+"""Generate docs/configuration.md from the policy dataclasses: every field, its type, its default and its effect.
 
     python deploy/gen_config_doc.py           # rewrite docs/configuration.md
     python deploy/gen_config_doc.py --check   # exit 1 when the doc is stale (tests/ops/test_config_doc.py)
 
-Each field is documented once, where it is defined, in one of three ways this script reads (first found wins):
-  1. a `Fields:` block in the class docstring (`  name: text`, continuation lines indented deeper);
-  2. a trailing comment on the field's line (`port: int = 8080   # listener port`), continued by comment-only
-     lines right below it;
-  3. a commented YAML example of the section in the module docstring (`name: value   # text`).
-A policy section that exists in extproc/config.py but is not listed in SECTIONS below is an error: add it here.
+The sections are the fields of `extproc.config.Policy`; each field is documented once, by the comment on its line
+in the class body (continued by comment-only lines right below it), read by `extproc.schema.field_docs`. A field
+without one is listed as undocumented (and fails tests/ops/test_config_doc.py).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib
 import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,19 +25,8 @@ OUT = ROOT / "docs" / "configuration.md"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# policy section (as written in the YAML file) -> the dataclass that parses it
-SECTIONS: list[tuple[str, str]] = [
-    ("gateway", "extproc.config:GatewayConfig"),
-    ("sidecar", "extproc.config:SidecarConfig"),
-    ("limits", "extproc.config:LimitsConfig"),
-    ("pools[]", "extproc.config:PoolConfig"),
-    ("simulator", "extproc.config:SimulatorConfig"),
-    ("admission", "extproc.admission.policy:AdmissionPolicy"),
-    ("routing", "extproc.routing.policy:RoutingPolicy"),
-    ("budgets", "extproc.budgets.policy:BudgetPolicy"),
-    ("tenants", "extproc.identity:TenantPolicy"),
-    ("streaming", "extproc.streaming:StreamingPolicy"),
-]
+from extproc.config import Policy  # noqa: E402
+from extproc.schema import field_docs, file_fields  # noqa: E402
 
 HEADER = """\
 # Configuration reference
@@ -63,105 +44,22 @@ the thirteen problems (P1..P13): [operations.md](operations.md#knobs-by-problem)
 """
 
 
-def load(ref: str) -> type:
-    mod, _, name = ref.partition(":")
-    return getattr(importlib.import_module(mod), name)
-
-
-# ---- reading the descriptions ----------------------------------------------------------------------------
-
-def docstring_fields(cls: type) -> dict[str, str]:
-    """The `Fields:` block of a class docstring."""
-    doc = inspect.getdoc(cls) or ""
-    out: dict[str, str] = {}
-    lines = doc.splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Fields:")
-    except StopIteration:
-        return out
-    current, indent = None, None
-    for line in lines[start + 1:]:
-        if not line.strip():
-            current = None
-            continue
-        m = re.match(r"^(\s+)([A-Za-z_][A-Za-z0-9_]*): (.*)$", line)
-        lead = len(line) - len(line.lstrip())
-        if m and (indent is None or lead == indent):
-            indent = lead
-            current = m.group(2)
-            out[current] = m.group(3).strip()
-        elif current is not None and indent is not None and lead > indent:
-            out[current] += " " + line.strip()
-        else:
-            break
+def sections() -> list[tuple[str, type]]:
+    """(name as written in the YAML file, its dataclass) for every section of the policy file."""
+    hints = typing.get_type_hints(Policy)
+    out = []
+    for name in file_fields(Policy):
+        cls, is_list = dataclass_in(hints[name])
+        assert cls is not None, f"Policy.{name} is not a section"
+        out.append((name + ("[]" if is_list else ""), cls))
     return out
-
-
-def trailing_comments(cls: type) -> dict[str, str]:
-    """`name: type = default  # comment` in the class body, plus comment-only continuation lines."""
-    try:
-        src = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    comments: dict[int, str] = {}
-    code_lines: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
-            code_lines.add(tok.start[0])
-    tree = ast.parse(src)
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    out: dict[str, str] = {}
-    for node in body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            end = node.end_lineno or node.lineno
-            text = comments.get(end) or comments.get(node.lineno)
-            if not text:
-                continue
-            n = end + 1
-            while n in comments and n not in code_lines:  # continuation lines
-                text += " " + comments[n]
-                n += 1
-            out[node.target.id] = text
-    return out
-
-
-def module_yaml_comments(module: Any) -> dict[str, Any]:
-    """A commented YAML example in the module docstring -> {key: (comment, {children})}."""
-    doc = inspect.getdoc(module) or ""
-    root: dict[str, Any] = {}
-    stack: list[tuple[int, dict[str, Any]]] = [(-1, root)]
-    last: list[Any] | None = None
-    last_indent = -1
-    for line in doc.splitlines():
-        m = re.match(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*):(?:\s+([^#]*?))?\s*(?:#\s?(.*))?$", line)
-        c = re.match(r"^(\s*)#\s?(.*)$", line)
-        if m:
-            indent = len(m.group(1))
-            while stack and stack[-1][0] >= indent:
-                stack.pop()
-            if not stack:
-                stack = [(-1, root)]
-            entry = [(m.group(4) or "").strip(), {}]
-            stack[-1][1][m.group(2)] = entry
-            stack.append((indent, entry[1]))
-            last, last_indent = entry, indent
-        elif c and last is not None and len(c.group(1)) > last_indent:
-            last[0] = (last[0] + " " + c.group(2).strip()).strip()
-        elif not line.strip():
-            continue
-        else:
-            last = None
-    return root
 
 
 def class_summary(cls: type) -> str:
     doc = inspect.getdoc(cls) or ""
     if not doc or doc.startswith(cls.__name__ + "("):  # dataclass auto-doc
         return ""
-    para = doc.split("\n\n", 1)[0]
-    return " ".join(para.split()) if not para.strip().startswith("Fields:") else ""
+    return " ".join(doc.split("\n\n", 1)[0].split())
 
 
 # ---- rendering ------------------------------------------------------------------------------------------
@@ -202,6 +100,8 @@ def fmt_default(f: dataclasses.Field, cls: type) -> str:
 
 
 def type_name(tp: Any, raw: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
     text = raw if isinstance(raw, str) else getattr(tp, "__name__", str(tp))
     return text.replace("typing.", "").replace("|", "or")
 
@@ -210,24 +110,18 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|") or "—"
 
 
-def document(path: str, cls: type, yaml_tree: dict[str, Any], out: list[str], level: int = 2,
-             undocumented: list[str] | None = None) -> None:
+def document(path: str, cls: type, out: list[str], level: int = 2, undocumented: list[str] | None = None) -> None:
     hints = typing.get_type_hints(cls)
-    from_doc = docstring_fields(cls)
-    from_comments = trailing_comments(cls)
+    docs = field_docs(cls)
     out.append(f"{'#' * level} `{path}`\n")
     summary = class_summary(cls)
-    if not summary and level == 2:  # a section class without a docstring: its module's first paragraph
-        mod_doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
-        summary = " ".join(mod_doc.split("\n\n", 1)[0].split())
     if summary:
         out.append(summary + "\n")
     out.append("| field | type | default | effect |")
     out.append("|---|---|---|---|")
-    nested: list[tuple[str, type, dict[str, Any], dataclasses.Field]] = []
-    for f in dataclasses.fields(cls):
-        tree_entry = yaml_tree.get(f.name, ["", {}])
-        desc = from_doc.get(f.name) or from_comments.get(f.name) or tree_entry[0]
+    nested: list[tuple[str, type, dataclasses.Field]] = []
+    for f in file_fields(cls).values():
+        desc = docs.get(f.name, "")
         if not desc and undocumented is not None:
             undocumented.append(f"{path}.{f.name}")
         sub, is_list = dataclass_in(hints.get(f.name))
@@ -236,15 +130,13 @@ def document(path: str, cls: type, yaml_tree: dict[str, Any], out: list[str], le
             desc = desc.rstrip()
             if desc and desc[-1] not in ".!?:":
                 desc += "."
-            if desc.lower().startswith("see ") and desc.lower().endswith("policy."):
-                desc = ""  # "see HealthPolicy": the link below says it better
             desc = (desc + " " if desc else "") + f"See [`{child}`](#{anchor(child)})."
-            nested.append((child, sub, tree_entry[1], f))
+            nested.append((child, sub, f))
         out.append(f"| `{f.name}` | {cell(type_name(hints.get(f.name), f.type))} | {fmt_default(f, cls)} | "
                    f"{cell(desc)} |")
     out.append("")
-    for child, sub, tree, f in nested:
-        document(child, sub, tree, out, min(level + 1, 4), undocumented)
+    for child, sub, f in nested:
+        document(child, sub, out, min(level + 1, 4), undocumented)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
         if isinstance(default, list) and default:
             out.append(f"Default `{child.removesuffix('[]')}`:\n")
@@ -264,27 +156,13 @@ def anchor(path: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "", path.lower().replace(" ", "-"))
 
 
-def check_sections() -> None:
-    from extproc import config
-
-    known = set(config._SECTIONS) | set(config._RAW_SECTIONS) | {"pools"}  # noqa: SLF001
-    listed = {name.removesuffix("[]") for name, _ in SECTIONS}
-    missing = sorted(known - listed)
-    extra = sorted(listed - known)
-    if missing or extra:
-        raise SystemExit(f"gen_config_doc.py: policy sections not documented: {missing}; listed but unknown: "
-                         f"{extra}. Update SECTIONS in deploy/gen_config_doc.py.")
-
-
 def generate() -> tuple[str, list[str]]:
-    check_sections()
     out = [HEADER]
-    out.append("Sections: " + ", ".join(f"[`{name}`](#{anchor(name)})" for name, _ in SECTIONS) + ".\n")
+    secs = sections()
+    out.append("Sections: " + ", ".join(f"[`{name}`](#{anchor(name)})" for name, _ in secs) + ".\n")
     undocumented: list[str] = []
-    for name, ref in SECTIONS:
-        cls = load(ref)
-        tree = module_yaml_comments(sys.modules[cls.__module__])
-        document(name, cls, tree, out, 2, undocumented)
+    for name, cls in secs:
+        document(name, cls, out, 2, undocumented)
     return "\n".join(out).rstrip() + "\n", undocumented
 
 

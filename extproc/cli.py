@@ -217,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_sim(argv[1:])
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
-    from extproc.opscli import SUBCOMMANDS as OPS
+    from extproc.opscli import SUBCOMMANDS
+    from extproc.top import main as main_top
 
-    if argv and argv[0] in OPS:
-        return OPS[argv[0]](argv[1:])
+    ops = {**SUBCOMMANDS, "top": main_top}
+    if argv and argv[0] in ops:
+        return ops[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

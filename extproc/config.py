@@ -1,8 +1,11 @@
 """The policy file: one YAML document that says where everything listens, which replicas serve which model,
-and the limits the sidecar enforces. `sluice render` turns it into Envoy's xDS files; the sidecar reads it at start.
+and the limits the sidecar enforces. `sluice render` turns it into Envoy's xDS files; the sidecar reads it at start
+and on every reload.
 
-Every field is documented once, here, where it is defined; `docs/configuration.md` is generated from the same
-words. Unknown keys are errors (a typo must not silently fall back to a default).
+`Policy` holds one typed section per top-level key; the sections owned by a package (admission, routing, budgets,
+tenants, streaming) are defined beside the code they drive. All of them are built by one generic builder
+(`extproc.schema.build`): unknown fields are errors at every level, named by their full path. Every field is
+documented once, by the comment on its line; `docs/configuration.md` is generated from the same words.
 """
 
 from __future__ import annotations
@@ -10,49 +13,27 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal
 
 import yaml
 
-T = TypeVar("T")
+from extproc.admission.policy import AdmissionPolicy
+from extproc.budgets.policy import BudgetPolicy
+from extproc.identity import TenantPolicy
+from extproc.routing.policy import RoutingPolicy
+from extproc.schema import INTERNAL, PolicyError, build, file_fields, require, to_dict
+from extproc.streaming import StreamingPolicy
 
-
-class PolicyError(ValueError):
-    """The policy file is invalid; the message names the field."""
-
-
-def _build(cls: type[T], data: Any, where: str) -> T:
-    """Build a (flat) dataclass from a mapping, rejecting unknown keys and wrong scalar types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise PolicyError(f"{where}: expected a mapping, got {type(data).__name__}")
-    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise PolicyError(f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        default = names[key].default
-        if default is not dataclasses.MISSING and default is not None and value is not None:
-            if isinstance(default, bool) and not isinstance(value, bool):
-                raise PolicyError(f"{where}.{key}: expected true/false, got {value!r}")
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise PolicyError(f"{where}.{key}: expected a number, got {value!r}")
-                if isinstance(default, int) and not isinstance(value, int):
-                    raise PolicyError(f"{where}.{key}: expected an integer, got {value!r}")
-            if isinstance(default, str) and not isinstance(value, str):
-                raise PolicyError(f"{where}.{key}: expected a string, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
+__all__ = ["Policy", "PolicyError", "GatewayConfig", "SidecarConfig", "LimitsConfig", "SimulatorConfig",
+           "PoolConfig", "policy_from_dict", "load_policy", "read_policy_file", "parse_section", "policy_to_dict", "split_addr",
+           "is_loopback", "default_policy_path"]
 
 
 def _check_port(value: int, where: str) -> None:
-    if not 0 < value < 65536:
-        raise PolicyError(f"{where}: port {value} is outside 1..65535")
+    require(0 < value < 65536, where, f"port {value} is outside 1..65535")
 
 
 @dataclass
@@ -75,11 +56,10 @@ class GatewayConfig:
     envoy_concurrency: int = 2              # Envoy worker threads
     envoy_log_level: str = "warning"        # Envoy's --log-level (trace, debug, info, warning, error)
 
-    def validate(self) -> None:
-        _check_port(self.port, "gateway.port")
-        _check_port(self.admin_port, "gateway.admin_port")
-        if self.buffer_limit_bytes < 16384:
-            raise PolicyError("gateway.buffer_limit_bytes must be at least 16384")
+    def validate(self, path: str) -> None:
+        _check_port(self.port, f"{path}.port")
+        _check_port(self.admin_port, f"{path}.admin_port")
+        require(self.buffer_limit_bytes >= 16384, f"{path}.buffer_limit_bytes", "must be at least 16384")
 
 
 @dataclass
@@ -104,15 +84,13 @@ class SidecarConfig:
             return self.max_open_requests
         return max(1, int(0.9 * max_downstream_connections / max(1, self.workers)))
 
-    def validate(self) -> None:
-        if self.workers < 1:
-            raise PolicyError("sidecar.workers must be >= 1")
+    def validate(self, path: str) -> None:
+        require(self.workers >= 1, f"{path}.workers", "must be >= 1")
         for name in ("grpc_port", "metrics_port", "admin_port"):
-            _check_port(getattr(self, name), f"sidecar.{name}")
-        if self.message_timeout_ms < 50:
-            raise PolicyError("sidecar.message_timeout_ms must be at least 50")
-        if self.max_queue_wait_ms < self.message_timeout_ms:
-            raise PolicyError("sidecar.max_queue_wait_ms must be >= sidecar.message_timeout_ms")
+            _check_port(getattr(self, name), f"{path}.{name}")
+        require(self.message_timeout_ms >= 50, f"{path}.message_timeout_ms", "must be at least 50")
+        require(self.max_queue_wait_ms >= self.message_timeout_ms, f"{path}.max_queue_wait_ms",
+                f"must be >= {path}.message_timeout_ms")
 
 
 @dataclass
@@ -122,17 +100,14 @@ class LimitsConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 (Envoy buffers the body for the sidecar)
     default_output_tokens: int = 256        # expected output when a request sets no max_tokens (until the app's
                                             # p90 is learned from observed responses)
-    tokenizer: str = "heuristic"            # heuristic | hf | tiktoken
+    tokenizer: Literal["heuristic", "hf", "tiktoken"] = "heuristic"  # how prompt tokens are counted
     tokenizer_path: str = ""                # local tokenizer.json / .tiktoken file (never downloaded)
     bytes_per_token: float = 4.0            # heuristic: bytes of ASCII text per token
 
-    def validate(self) -> None:
-        if self.max_body_bytes < 1024:
-            raise PolicyError("limits.max_body_bytes must be at least 1024")
-        if self.tokenizer not in ("heuristic", "hf", "tiktoken"):
-            raise PolicyError(f"limits.tokenizer: unknown kind {self.tokenizer!r}")
-        if self.tokenizer != "heuristic" and not self.tokenizer_path:
-            raise PolicyError(f"limits.tokenizer_path is required for tokenizer {self.tokenizer!r}")
+    def validate(self, path: str) -> None:
+        require(self.max_body_bytes >= 1024, f"{path}.max_body_bytes", "must be at least 1024")
+        require(self.tokenizer == "heuristic" or bool(self.tokenizer_path), f"{path}.tokenizer_path",
+                f"is required for tokenizer {self.tokenizer!r}")
 
 
 @dataclass
@@ -155,27 +130,22 @@ class PoolConfig:
 
     model: str = ""                                      # the `model` value clients send for this pool
     replicas: list[str] = field(default_factory=list)  # "ip:port" of each replica (vLLM, SGLang, simulator)
-    metrics_style: str = "vllm"  # vllm | sglang: the replicas' metric names; none: no /metrics (own accounting only)
+    metrics_style: Literal["vllm", "sglang", "none"] = "vllm"  # the replicas' metric names; none: no /metrics
+                                                                # (own accounting only)
 
     @property
     def cluster(self) -> str:
         """Envoy cluster name for this pool (model names may contain '/', ':', ...)."""
         return "pool-" + re.sub(r"[^A-Za-z0-9_.-]", "_", self.model)
 
-    def validate(self, where: str) -> None:
-        if not self.model:
-            raise PolicyError(f"{where}.model is required")
-        if not self.replicas:
-            raise PolicyError(f"{where}.replicas: at least one replica is required")
+    def validate(self, path: str) -> None:
+        require(bool(self.model), f"{path}.model", "is required")
+        require(bool(self.replicas), f"{path}.replicas:", "at least one replica is required")
         for addr in self.replicas:
-            m = _ADDR.match(str(addr))
-            if not m:
-                raise PolicyError(f"{where}.replicas: {addr!r} is not host:port")
-            _check_port(int(m["port"]), f"{where}.replicas[{addr}]")
-        if len(set(self.replicas)) != len(self.replicas):
-            raise PolicyError(f"{where}.replicas: duplicate address")
-        if self.metrics_style not in ("vllm", "sglang", "none"):
-            raise PolicyError(f"{where}.metrics_style must be vllm, sglang or none")
+            m = _ADDR.match(addr)
+            require(m is not None, f"{path}.replicas:", f"{addr!r} is not host:port")
+            _check_port(int(m["port"]), f"{path}.replicas[{addr}]")  # type: ignore[index]
+        require(len(set(self.replicas)) == len(self.replicas), f"{path}.replicas:", "duplicate address")
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -194,20 +164,19 @@ def is_loopback(host: str) -> bool:
 
 @dataclass
 class Policy:
-    """The whole policy file. Sections owned by other packages (admission, routing, budgets) stay raw
-    mappings here and are parsed by their own modules, so each policy lives beside the code it drives."""
+    """The whole policy file: one typed section per top-level key."""
 
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
-    pools: list[PoolConfig] = field(default_factory=list)
-    admission: dict[str, Any] = field(default_factory=dict)
-    routing: dict[str, Any] = field(default_factory=dict)
-    budgets: dict[str, Any] = field(default_factory=dict)
-    tenants: dict[str, Any] = field(default_factory=dict)
-    streaming: dict[str, Any] = field(default_factory=dict)
-    source: str = ""  # file the policy came from (for messages)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # Envoy: listener, admin, buffers, timeouts
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)  # the ext_proc sidecar: ports, workers, queue wait
+    limits: LimitsConfig = field(default_factory=LimitsConfig)  # body size, default output, token estimation
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)  # simulated replicas for `sluice up`
+    pools: list[PoolConfig] = field(default_factory=list)  # one per model: its replicas
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)  # lanes, queue, when a replica fits
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)  # scraping and health of the replicas
+    budgets: BudgetPolicy = field(default_factory=BudgetPolicy)  # retry, task and tenant-token budgets
+    tenants: TenantPolicy = field(default_factory=TenantPolicy)  # API keys -> tenants, open streams per tenant
+    streaming: StreamingPolicy = field(default_factory=StreamingPolicy)  # observed responses, slow consumers
+    source: str = field(default="", metadata=INTERNAL)  # file the policy came from (for messages)
 
     def pool_for(self, model: str) -> PoolConfig | None:
         for pool in self.pools:
@@ -215,17 +184,12 @@ class Policy:
                 return pool
         return None
 
-    def validate(self) -> None:
-        self.gateway.validate()
-        self.sidecar.validate()
-        self.limits.validate()
-        if not self.pools:
-            raise PolicyError("pools: at least one pool is required")
+    def validate(self, path: str = "") -> None:
+        """The rules that span sections (each section checked its own when it was built)."""
+        require(bool(self.pools), "pools:", "at least one pool is required")
         seen: set[str] = set()
         for i, pool in enumerate(self.pools):
-            pool.validate(f"pools[{i}]")
-            if pool.model in seen:
-                raise PolicyError(f"pools[{i}].model {pool.model!r} is listed twice")
+            require(pool.model not in seen, f"pools[{i}].model", f"{pool.model!r} is listed twice")
             seen.add(pool.model)
         ports = [("gateway.port", self.gateway.port), ("gateway.admin_port", self.gateway.admin_port)]
         for name in ("grpc_port", "metrics_port", "admin_port"):  # each worker uses base + its index
@@ -233,45 +197,46 @@ class Policy:
             ports += [(f"sidecar.{name}" + (f"+{i}" if i else ""), base + i) for i in range(self.sidecar.workers)]
         by_port: dict[int, str] = {}
         for name, port in ports:
-            if port in by_port:
-                raise PolicyError(f"{name} and {by_port[port]} both use port {port}")
+            require(port not in by_port, name, f"and {by_port.get(port)} both use port {port}")
             by_port[port] = name
+
+    def derive(self) -> None:
+        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms."""
+        if self.admission.max_wait_s <= 0:
+            self.admission.max_wait_s = self.sidecar.max_queue_wait_ms / 1000.0
 
     @property
     def default_pool(self) -> PoolConfig:
         return self.pools[0]
 
 
-_SECTIONS = {"gateway": GatewayConfig, "sidecar": SidecarConfig, "limits": LimitsConfig,
-             "simulator": SimulatorConfig}
-_RAW_SECTIONS = ("admission", "routing", "budgets", "tenants", "streaming")
-
-
 def policy_from_dict(data: dict[str, Any], source: str = "<dict>") -> Policy:
     """Build and validate a Policy from a parsed YAML mapping."""
     if not isinstance(data, dict):
         raise PolicyError(f"{source}: the policy must be a mapping")
-    known = set(_SECTIONS) | set(_RAW_SECTIONS) | {"pools"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise PolicyError(f"unknown section(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    kwargs: dict[str, Any] = {name: _build(cls, data.get(name), name) for name, cls in _SECTIONS.items()}
-    pools = data.get("pools") or []
-    if not isinstance(pools, list):
-        raise PolicyError("pools: expected a list")
-    kwargs["pools"] = [_build(PoolConfig, p, f"pools[{i}]") for i, p in enumerate(pools)]
-    for name in _RAW_SECTIONS:
-        raw = data.get(name) or {}
-        if not isinstance(raw, dict):
-            raise PolicyError(f"{name}: expected a mapping")
-        kwargs[name] = raw
-    policy = Policy(**kwargs, source=source)
-    policy.validate()
+    policy = build(Policy, data, "")
+    policy.derive()
+    policy.source = source
     return policy
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file; every problem becomes a PolicyError with the file name."""
+def parse_section(name: str, data: Any) -> Any:
+    """One section of the policy file (`admission`, `routing`, ...) by the same builder, for code and tests that
+    need a section alone. Derived values that depend on other sections (admission.max_wait_s = 0) stay unset."""
+    cls = typing.get_type_hints(Policy).get(name)
+    if name not in file_fields(Policy) or not dataclasses.is_dataclass(cls):
+        sections = [n for n in file_fields(Policy) if dataclasses.is_dataclass(typing.get_type_hints(Policy)[n])]
+        raise PolicyError(f"{name}: not a section of mappings (those are: {', '.join(sections)})")
+    return build(cls, data, name)
+
+
+def policy_to_dict(policy: Policy) -> dict[str, Any]:
+    """The YAML data of a policy (every field, defaults included): what `sluice up` hands its sidecars."""
+    return to_dict(policy)
+
+
+def read_policy_file(path: str | Path) -> dict[str, Any]:
+    """The parsed YAML mapping of a policy file, not yet validated; a PolicyError names the file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -281,6 +246,14 @@ def load_policy(path: str | Path) -> Policy:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise PolicyError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{path}: the policy must be a mapping")
+    return data
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file; every problem becomes a PolicyError with the file name."""
+    data = read_policy_file(path)
     try:
         return policy_from_dict(data, source=str(path))
     except PolicyError as exc:

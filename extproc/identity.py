@@ -4,52 +4,36 @@ Keys come from a file (YAML mapping `key: tenant`) and/or an environment variabl
 (`key1=tenant-a,key2=tenant-b`). Only SHA-256 digests of keys are kept in memory, and a presented key is hashed
 before it is looked up: the lookup's timing can depend only on the digest, and matching a digest prefix tells an
 attacker nothing about the key (no character-by-character comparison of secrets). Keys are never logged.
-
-The `tenants:` policy section:
-    auth: false                  # true: a known API key is required (401 otherwise)
-    keys_file: ""                # YAML file {api_key: tenant}
-    keys_env: SLUICE_API_KEYS    # environment variable "key=tenant,key=tenant"
-    trust_tenant_header: true    # auth off: the x-sluice-tenant header names the tenant (else "default")
-    max_streams_per_tenant: 0    # open requests per tenant in this sidecar; 0 = unlimited (P12)
-    stream_limits: {}            # per-tenant overrides of max_streams_per_tenant
-    label_tenants: 50            # distinct tenants shown as metric labels; the rest collapse to "other"
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 import yaml
+
+from extproc.schema import non_negative, require
 
 
 @dataclass
 class TenantPolicy:
-    auth: bool = False
-    keys_file: str = ""
-    keys_env: str = "SLUICE_API_KEYS"
-    trust_tenant_header: bool = True
-    max_streams_per_tenant: int = 0
-    stream_limits: dict[str, int] = field(default_factory=dict)
-    label_tenants: int = 50
+    """The `tenants:` section: who is calling, and how many requests each tenant may hold open."""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "TenantPolicy":
-        data = dict(data or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"tenants: unknown field(s) {', '.join(unknown)}")
-        policy = cls(**data)
-        if policy.max_streams_per_tenant < 0 or any(v < 0 for v in policy.stream_limits.values()):
-            raise ValueError("tenants.max_streams_per_tenant and stream_limits must be >= 0")
-        if policy.label_tenants < 1:
-            raise ValueError("tenants.label_tenants must be >= 1")
-        return policy
+    auth: bool = False                 # true: a known API key is required (401 otherwise)
+    keys_file: str = ""                # YAML file {api_key: tenant}
+    keys_env: str = "SLUICE_API_KEYS"  # environment variable "key=tenant,key=tenant"
+    trust_tenant_header: bool = True   # auth off: the x-sluice-tenant header names the tenant (else "default")
+    max_streams_per_tenant: int = 0    # open requests per tenant in this sidecar; 0 = unlimited (P12)
+    stream_limits: dict[str, int] = field(default_factory=dict)  # per-tenant overrides of max_streams_per_tenant
+    label_tenants: int = 50            # distinct tenants shown as metric labels; the rest collapse to "other"
+
+    def validate(self, path: str) -> None:
+        non_negative(self, path, "max_streams_per_tenant")
+        for tenant, v in self.stream_limits.items():
+            require(v >= 0, f"{path}.stream_limits.{tenant}", f"must be >= 0, got {v!r}")
+        require(self.label_tenants >= 1, f"{path}.label_tenants", "must be >= 1")
 
 
 class UnknownKey(Exception):

@@ -1,6 +1,13 @@
-"""Every Prometheus metric the sidecar core exports, in one place (packages with their own policy —
-budgets, admission, routing — keep theirs in their own `metrics.py`, imported from here so one import
-registers everything).
+"""Where every Prometheus metric of the sidecar is defined: the core's (requests, streams, reloads, drains) here,
+and each package with a policy of its own in its own module, imported at the end of this one so that importing
+`extproc.metrics` registers every `sluice_*` series:
+
+    extproc/admission/metrics.py   sluice_queue_*, sluice_admitted_total, sluice_shed_total, sluice_lane_*, ...
+    extproc/budgets/metrics.py     sluice_budget_*, sluice_prompt_cost_*, sluice_prompt_shift_*, ...
+    extproc/routing/metrics.py     sluice_replica_* (scraped state, health), sluice_scrape_*, sluice_pool_*
+
+No other module defines a metric (tests/ops/test_metrics_doc.py checks that, and that docs/operations.md lists
+exactly these). The simulator (extproc/sim/metrics.py) is another process with vLLM's own names.
 
 Hot-path rule: label children are resolved once (per pool / replica / outcome) and cached by the caller;
 no `labels()` lookups per request where a cached child will do.
@@ -60,3 +67,25 @@ SLOW_STREAMS_CUT = Counter("sluice_slow_streams_cut_total",
 OPEN_REQUESTS_CAP = Gauge("sluice_open_requests_limit",
                           "Open (queued + forwarded) requests this sidecar process accepts before answering 429 "
                           "gateway_at_capacity; alert when sluice_open_streams approaches it (P12).")
+REPLICA_DRAINING = Gauge("sluice_replica_draining",
+                         "1 while an operator has drained the replica (sluice drain): it takes no new requests.",
+                         ["pool", "replica"])
+
+# ---- policy reloads (extproc/reload.py) -------------------------------------------------------------------------
+RELOADS = Counter("sluice_policy_reloads_total",
+                  "Policy reload attempts (file change, SIGHUP, admin API), by result: ok (applied) or error "
+                  "(rejected; the previous policy stays in force).", ["result"])
+LAST_SUCCESS = Gauge("sluice_policy_last_reload_success",
+                     "1 when the last policy reload attempt was applied (or none was made since start), 0 when it "
+                     "was rejected and an older policy is in force.")
+LAST_RELOAD_TS = Gauge("sluice_policy_last_reload_timestamp_seconds",
+                       "Unix time of the last policy reload attempt (0: none since start).")
+MAX_DOWNSTREAM_CONNECTIONS = Gauge(
+    "sluice_policy_max_downstream_connections",
+    "gateway.max_downstream_connections of the policy in force: Envoy's overload-manager limit on client "
+    "connections (alerts compare envoy_http_downstream_cx_active with it).")
+
+# ---- the packages' own (see the module docstring) ---------------------------------------------------------------
+from extproc.admission import metrics as admission  # noqa: E402,F401
+from extproc.budgets import metrics as budgets  # noqa: E402,F401
+from extproc.routing import metrics as routing  # noqa: E402,F401

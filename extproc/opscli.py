@@ -20,7 +20,7 @@ from typing import Callable
 
 from extproc.admin import admin_pb2 as pb
 from extproc.admin.client import DEFAULT_ADMIN, AdminClient, AdminError, admin_addresses, to_dict
-from extproc.config import PolicyError, default_policy_path, load_policy
+from extproc.config import PolicyError, default_policy_path, load_policy, parse_section, read_policy_file
 
 
 def add_common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,20 +31,29 @@ def add_common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def addresses(args: argparse.Namespace) -> list[str]:
-    """--admin, else every worker of the policy file; the built-in default when no policy file is readable."""
+def addresses(args: argparse.Namespace, sidecar_only: bool = False) -> list[str]:
+    """--admin, else every worker of the policy file; the built-in default when no policy file is readable.
+
+    An explicit file must be valid (PolicyError); with `sidecar_only` only its `sidecar:` section is read, for
+    `sluice reload`: the running sidecar judges the rest of the file and reports what it refuses."""
     if args.admin:
         return list(args.admin)
     if args.config:
-        return admin_addresses(load_policy(args.config))  # an explicit file must be valid (PolicyError)
+        if sidecar_only:
+            data = read_policy_file(args.config)
+            try:
+                return admin_addresses(parse_section("sidecar", data.get("sidecar")))
+            except PolicyError as exc:
+                raise PolicyError(f"{args.config}: {exc}") from None
+        return admin_addresses(load_policy(args.config).sidecar)
     try:
-        return admin_addresses(load_policy(default_policy_path()))
+        return admin_addresses(load_policy(default_policy_path()).sidecar)
     except PolicyError:
         return [DEFAULT_ADMIN]
 
 
 def _run(prog: str, argv: list[str] | None, build: Callable[[argparse.ArgumentParser], None],
-         body: Callable[[argparse.Namespace, list[str]], int], description: str) -> int:
+         body: Callable[[argparse.Namespace, list[str]], int], description: str, sidecar_only: bool = False) -> int:
     parser = add_common(argparse.ArgumentParser(prog=prog, description=description))
     build(parser)
     try:
@@ -52,7 +61,7 @@ def _run(prog: str, argv: list[str] | None, build: Callable[[argparse.ArgumentPa
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        addrs = addresses(args)
+        addrs = addresses(args, sidecar_only)
     except PolicyError as exc:
         print(f"{prog}: invalid policy: {exc}", file=sys.stderr)
         return 2
@@ -190,18 +199,13 @@ def main_reload(argv: list[str] | None = None) -> int:
         return rc
 
     return _run("sluice reload", argv, lambda p: None, body,
-                "Re-read the policy file in every sidecar worker (an invalid file is rejected, nothing changes).")
-
-
-def main_top(argv: list[str] | None = None) -> int:
-    from extproc.top import main
-
-    return main(argv)
+                "Re-read the policy file in every sidecar worker (an invalid file is rejected, nothing changes).",
+                sidecar_only=True)
 
 
 SUBCOMMANDS: dict[str, Callable[[list[str] | None], int]] = {
-    "status": main_status, "drain": main_drain, "undrain": main_undrain, "reload": main_reload, "top": main_top,
-}
+    "status": main_status, "drain": main_drain, "undrain": main_undrain, "reload": main_reload,
+}  # `sluice top` (extproc/top.py, which builds on this module) is added by the CLI
 HELP = {"status": "pools, replicas, lanes and queues of the running sidecar (admin API)",
         "drain": "stop sending new requests to a replica (ip:port)",
         "undrain": "return a drained replica through slow start",

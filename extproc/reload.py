@@ -1,7 +1,8 @@
 """Hot reload of the policy file: on SIGHUP, on a change of the file (mtime polled every second), or through the
 admin API (`sluice reload`).
 
-    read + validate (load_policy) ─► gateway.apply_policy (validates the sections it parses, then swaps)
+    read + validate (load_policy: every section, typed) ─► apply_policy (checks what a reload cannot change,
+    then swaps: the fleet rebuilt in place, each pool's queue handed to its new scheduler)
         ok    ─► sluice_policy_reloads_total{result="ok"}, last_reload_success = 1, optional xDS re-render
         error ─► one log line naming the field, sluice_policy_reloads_total{result="error"},
                  last_reload_success = 0; the old policy stays in force
@@ -24,27 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from prometheus_client import Counter, Gauge
-
-from extproc.config import Policy, PolicyError, load_policy
+from extproc.admission.scheduler import Shed
+from extproc.metrics import LAST_RELOAD_TS, LAST_SUCCESS, MAX_DOWNSTREAM_CONNECTIONS, RELOADS
+from extproc.config import Policy, PolicyError, PoolConfig, load_policy
+from extproc.identity import Identity
+from extproc.routing.pool import Pool, Replica
 
 if TYPE_CHECKING:
     from extproc.gateway import Gateway
 
 log = logging.getLogger("sluice.reload")
 
-RELOADS = Counter("sluice_policy_reloads_total",
-                  "Policy reload attempts (file change, SIGHUP, admin API), by result: ok (applied) or error "
-                  "(rejected; the previous policy stays in force).", ["result"])
-LAST_SUCCESS = Gauge("sluice_policy_last_reload_success",
-                     "1 when the last policy reload attempt was applied (or none was made since start), 0 when it "
-                     "was rejected and an older policy is in force.")
-LAST_RELOAD_TS = Gauge("sluice_policy_last_reload_timestamp_seconds",
-                       "Unix time of the last policy reload attempt (0: none since start).")
-MAX_DOWNSTREAM_CONNECTIONS = Gauge(
-    "sluice_policy_max_downstream_connections",
-    "gateway.max_downstream_connections of the policy in force: Envoy's overload-manager limit on client "
-    "connections (alerts compare envoy_http_downstream_cx_active with it).")
 _OK, _ERROR = RELOADS.labels("ok"), RELOADS.labels("error")
 
 TRIGGERS = ("admin", "sighup", "file_change")
@@ -56,8 +47,8 @@ RESTART_FIELDS = {
     "limits": ("max_body_bytes", "default_output_tokens", "tokenizer", "tokenizer_path", "bytes_per_token"),
 }
 
-# Raw sections the running gateway does not re-read on reload (Gateway.apply_policy keeps the start-up object).
-RESTART_RAW_SECTIONS = ("streaming",)
+# Sections the running gateway does not re-read on reload (Gateway.apply_policy keeps the start-up object).
+RESTART_SECTIONS = ("streaming",)
 
 
 @dataclass
@@ -92,10 +83,57 @@ def restart_notes(old: Policy, new: Policy) -> list[str]:
             if getattr(a, name) != getattr(b, name):
                 notes.append(f"{section}.{name} changed ({getattr(a, name)!r} -> {getattr(b, name)!r}): "
                              "takes effect after a restart")
-    for section in RESTART_RAW_SECTIONS:
-        if getattr(old, section, None) != getattr(new, section, None):
+    for section in RESTART_SECTIONS:
+        if getattr(old, section) != getattr(new, section):
             notes.append(f"{section}: changed; takes effect after a restart")
     return notes
+
+
+def apply_policy(gateway: Gateway, policy: Policy) -> list[str]:
+    """Apply a valid policy to the running gateway: first what a reload cannot change or may fail on (raises
+    ValueError, nothing changed), then the swap. Replicas that stay keep their live state and accounting; the
+    waiters of each pool keep their place in its new scheduler (shed with 503 if the pool is gone); requests in
+    flight release to the objects that placed them. Returns the changes, in words."""
+    fleet = gateway.fleet
+    if len(policy.admission.lanes) != len(fleet.admission.lanes):
+        raise ValueError("admission.lanes: changing the number of lanes needs a restart")
+    identity = Identity(policy.tenants)  # reads the key file: may fail
+    identity.open_streams = gateway.identity.open_streams
+    pools, changes = _merge_pools(fleet.pools, policy.pools)
+    replaced = fleet.rebuild(policy, pools)
+    for name, old in replaced.items():
+        new = fleet.schedulers.get(name)
+        if new is None:
+            old.shed_queued(Shed(503, "pool_removed", "the pool was removed by a policy reload"))
+        else:
+            new.take_over(old)
+    budgets = gateway.budgets
+    if policy.budgets != budgets.policy:
+        budgets = gateway.make_budgets(policy)
+        changes.append("budgets policy replaced")
+    gateway.adopt(policy, identity, budgets)
+    return changes or ["no change"]
+
+
+def _merge_pools(old: dict[str, Pool], configs: list[PoolConfig]) -> tuple[dict[str, Pool], list[str]]:
+    """The pools of the new policy: a pool that stays is the same object, and its replicas that stay too."""
+    changes: list[str] = []
+    pools: dict[str, Pool] = {}
+    for cfg in configs:
+        pool = old.get(cfg.model)
+        if pool is None:
+            pools[cfg.model] = Pool.from_config(cfg)
+            changes.append(f"pool {cfg.model} added")
+            continue
+        keep = {r.address: r for r in pool.replicas}
+        added = [a for a in cfg.replicas if a not in keep]
+        removed = [a for a in keep if a not in cfg.replicas]
+        if added or removed:
+            changes.append(f"pool {cfg.model}: +{added} -{removed}")
+        pool.replicas = [keep.get(a) or Replica(address=a, pool=cfg.model) for a in cfg.replicas]
+        pools[cfg.model] = pool
+    changes += [f"pool {name} removed" for name in old if name not in pools]
+    return pools, changes
 
 
 _background: set[asyncio.Task[None]] = set()
@@ -140,7 +178,7 @@ def reload_policy(path: str | os.PathLike[str], gateway: Gateway, trigger: str =
     budgets_before = getattr(gateway, "budgets", None)
     try:
         policy = load_policy(path)
-        changes = gateway.apply_policy(policy)
+        changes = apply_policy(gateway, policy)
     except (PolicyError, ValueError, TypeError) as exc:
         msg = str(exc) if isinstance(exc, PolicyError) else f"{src}: {exc}"
         log.error("policy reload (%s) rejected, the previous policy stays in force: %s", trigger, msg)
@@ -272,5 +310,6 @@ class PolicyWatcher:
             self.reload("file_change")
 
 
-__all__ = ["PolicyWatcher", "ReloadResult", "reload_policy", "last_result", "note_policy", "restart_notes",
+__all__ = ["PolicyWatcher", "ReloadResult", "apply_policy", "reload_policy", "last_result", "note_policy",
+           "restart_notes",
            "RELOADS", "LAST_SUCCESS", "LAST_RELOAD_TS", "MAX_DOWNSTREAM_CONNECTIONS"]

@@ -11,12 +11,22 @@ from functools import lru_cache
 
 import orjson
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
-from extproc.streaming import OBSERVE_MODE
 from extproc.xds import DESTINATION_KEY, LB_NAMESPACE, POOL_HEADER
+
+# What an observed request switches to: response headers, every body chunk, and trailers (see streaming.py).
+OBSERVE_MODE = pm.ProcessingMode(
+    request_header_mode=pm.ProcessingMode.SEND,
+    request_body_mode=pm.ProcessingMode.BUFFERED,
+    request_trailer_mode=pm.ProcessingMode.SKIP,
+    response_header_mode=pm.ProcessingMode.SEND,
+    response_body_mode=pm.ProcessingMode.STREAMED,
+    response_trailer_mode=pm.ProcessingMode.SEND,
+)
 
 CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 # Continue, and switch this request's response to observed mode (see streaming.py).

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from typing import AsyncIterator
 
 import grpc
@@ -27,16 +26,14 @@ from extproc.config import Policy
 from pathlib import Path
 
 from extproc.admin.service import start_admin_server
-from extproc.admission.queue import Waiter
-from extproc.gateway import Gateway, Stream
+from extproc.gateway import Gateway
 from extproc.reload import PolicyWatcher, note_policy
-from extproc.routing.scrape import Scraper
 
 log = logging.getLogger("sluice.server")
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """Moves ext_proc messages between Envoy and the Gateway's state machine."""
+    """Moves ext_proc messages between Envoy and the Gateway; every decision, state and hold is the Gateway's."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
@@ -44,20 +41,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         gw = self.gw
-        st = Stream()
-        m.OPEN_STREAMS.inc()
+        st = gw.open_stream()
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
-                    answer = await gw.on_request_body(st, msg.request_body)
-                    if answer.__class__ is Waiter:
-                        # Held in the queue: ask Envoy to wait (once), then answer when dispatched or shed.
-                        yield R.hold(max(0.05, answer.deadline - time.monotonic()) + 1.0)
-                        answer = await gw.wait(st)
-                    yield answer
-                    if st.detached_at:
-                        return  # pinned, released by the access log: this ext_proc stream has nothing left to do
+                    yield await gw.on_request_body(st, msg.request_body)
+                    if st.held:  # Envoy was told to wait: the decision follows
+                        yield await gw.wait(st)
+                    if st.ended:
+                        return
                 elif kind == "request_headers":
                     yield gw.on_request_headers(st, msg.request_headers)
                 elif kind == "response_headers":
@@ -69,18 +62,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield R.CONTINUE_REQUEST_TRAILERS
         except asyncio.CancelledError:
-            if st.cut:
-                # Cut by the sidecar (slow consumer): an unsolicited immediate response makes Envoy reset both
-                # the client's stream and the replica's, which stops the generation.
-                yield R.immediate(408, "the client read the stream too slowly; it was cut", "slow_consumer")
-                return
-            # Envoy reset the stream: client gone, or the request simply ended (Envoy half-closes then
-            # resets). `finish` tells which from what was seen, not from this exception.
-            raise
+            answer = gw.on_cancelled(st)
+            if answer is None:
+                raise
+            yield answer
         finally:
-            if not st.detached_at:
-                gw.finish(st)
-                m.OPEN_STREAMS.dec()
+            gw.close(st)
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -99,32 +86,15 @@ def make_http_app(gateway: Gateway, state: dict[str, bool]) -> web.Application:
     return app
 
 
-def _start_scraper(gateway: Gateway) -> Scraper | None:
-    """Scrape every replica's engine metrics every routing.scrape_interval_s. Pools with metrics_style "none"
-    (OpenAI-compatible servers without /metrics) are not scraped: only the sidecar's own accounting is used."""
-    scraped = [p for p in gateway.pools.values() if p.metrics_style != "none"]
-    if not scraped:
-        return None
-    scraper = Scraper(scraped, gateway.routing)
-    scraper.listeners.append(gateway.on_scrape_round)
-    unscraped = {p.model for p in gateway.pools.values() if p.metrics_style == "none"}
-    if unscraped:
-        gateway.set_freshness(lambda r, now: r.pool in unscraped or scraper.is_fresh(r, now))
-    else:
-        gateway.set_freshness(scraper.is_fresh)
-    gateway.scraper = scraper
-    return scraper
-
-
 DETACHED_SWEEP_S = 10.0
 NO_ROUTE_TIMEOUT_MAX_AGE_S = 3600.0  # no route timeout (streams may be long): a lost end is released after this
 
 
 async def _sweep_detached(gateway: Gateway, max_age_s: float) -> None:
-    """Backstop for detached requests (see Gateway._detach) whose access-log end was lost."""
+    """Backstop for detached requests (inflight.py) whose access-log end was lost."""
     while True:
         await asyncio.sleep(DETACHED_SWEEP_S)
-        gateway.sweep_detached(max_age_s)
+        gateway.inflight.sweep(max_age_s)
 
 
 async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
@@ -149,7 +119,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     await runner.setup()
     site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
     await gateway.budgets.start()
-    scraper = _start_scraper(gateway)
+    scraper = gateway.fleet.make_scraper()
     if scraper is not None:
         await scraper.scrape_once()  # first numbers before taking traffic (stale counts as saturated)
         await scraper.start()

@@ -3,82 +3,62 @@ tenant): time to first token, tokens streamed, and the final `usage` the replica
 
 Most requests stay on the cheap response mode (no body events at all); an observed one is switched to STREAMED
 response bodies with `mode_override`, which costs sidecar CPU per chunk, hence the sampling.
-
-The `streaming:` policy section:
-    sample_rate: 0.0          # share of requests observed (0..1); any observation turns off header/body
-                              # pipelining (Envoy ignores mode_override with it): 0 and no metered tenants
-                              # saves ~0.1 ms per request
-    metered_tenants: []       # tenants whose every request is observed (exact token accounting)
-    max_buffer_bytes: 1048576 # a non-streaming JSON body is buffered up to this size to read its usage
-    slow_consumer:            # P13: cut streams whose client drains slower than a floor
-      min_bytes_per_s: 0      #   drain-rate floor (bytes/s written to the client); 0 = off
-      grace_s: 10             #   how long a stream may stay under the floor before it is cut
-      report_interval_s: 2    #   Envoy reports each open request's bytes this often (access-log flush)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 
-# What an observed request switches to: response headers, every body chunk, and trailers.
-OBSERVE_MODE = pm.ProcessingMode(
-    request_header_mode=pm.ProcessingMode.SEND,
-    request_body_mode=pm.ProcessingMode.BUFFERED,
-    request_trailer_mode=pm.ProcessingMode.SKIP,
-    response_header_mode=pm.ProcessingMode.SEND,
-    response_body_mode=pm.ProcessingMode.STREAMED,
-    response_trailer_mode=pm.ProcessingMode.SEND,
-)
+from extproc.schema import positive, require
 
 
 @dataclass
 class SlowConsumerPolicy:
-    min_bytes_per_s: float = 0.0
-    grace_s: float = 10.0
-    report_interval_s: float = 2.0
+    """P13: cut streams whose client drains slower than a floor."""
+
+    min_bytes_per_s: float = 0.0      # drain-rate floor (bytes/s written to the client); 0 = off
+    grace_s: float = 10.0             # how long a stream may stay under the floor before it is cut
+    report_interval_s: float = 2.0    # Envoy reports each open request's bytes this often (access-log flush)
 
     @property
     def enabled(self) -> bool:
         return self.min_bytes_per_s > 0
 
+    def validate(self, path: str) -> None:
+        require(self.min_bytes_per_s >= 0, f"{path}.min_bytes_per_s", "must be >= 0")
+        positive(self, path, "grace_s", "report_interval_s")
+
 
 @dataclass
 class StreamingPolicy:
-    sample_rate: float = 0.0
-    metered_tenants: list[str] = field(default_factory=list)
-    max_buffer_bytes: int = 1 << 20
-    slow_consumer: SlowConsumerPolicy = field(default_factory=SlowConsumerPolicy)
+    """Observed responses (TTFT, tokens, usage) and slow consumers."""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "StreamingPolicy":
-        data = dict(data or {})
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"streaming: unknown field(s) {', '.join(unknown)}")
-        slow = dict(data.pop("slow_consumer", None) or {})
-        bad = sorted(set(slow) - {f.name for f in dataclasses.fields(SlowConsumerPolicy)})
-        if bad:
-            raise ValueError(f"streaming.slow_consumer: unknown field(s) {', '.join(bad)}")
-        policy = cls(**data, slow_consumer=SlowConsumerPolicy(**slow))
-        sc = policy.slow_consumer
-        if sc.min_bytes_per_s < 0 or sc.grace_s <= 0 or sc.report_interval_s <= 0:
-            raise ValueError("streaming.slow_consumer: min_bytes_per_s >= 0, grace_s > 0, report_interval_s > 0")
-        if not 0.0 <= policy.sample_rate <= 1.0:
-            raise ValueError("streaming.sample_rate must be in [0, 1]")
-        return policy
+    sample_rate: float = 0.0          # share of requests observed (0..1); any observation turns off header/body
+                                      # pipelining (Envoy ignores mode_override with it): 0 and no metered tenants
+                                      # saves ~0.1 ms per request
+    metered_tenants: list[str] = field(default_factory=list)  # tenants whose every request is observed (exact
+                                                               # token accounting)
+    max_buffer_bytes: int = 1 << 20   # a non-streaming JSON body is buffered up to this size to read its usage
+    slow_consumer: SlowConsumerPolicy = field(default_factory=SlowConsumerPolicy)  # P13: cut streams whose client
+                                                                                   # drains slower than a floor
+
+    @property
+    def observes(self) -> bool:
+        """Some responses are observed: Envoy must not pipeline the body behind the headers (xds.py)."""
+        return self.sample_rate > 0 or bool(self.metered_tenants)
+
+    def validate(self, path: str) -> None:
+        require(0.0 <= self.sample_rate <= 1.0, f"{path}.sample_rate", "must be in [0, 1]")
 
 
 class Sampler:
     def __init__(self, policy: StreamingPolicy, seed: int | None = None) -> None:
         self.policy = policy
         self.metered = frozenset(policy.metered_tenants)
-        self.active = policy.sample_rate > 0 or bool(self.metered)
+        self.active = policy.observes
         self._random = random.Random(seed).random
 
     def observe(self, tenant: str) -> bool:

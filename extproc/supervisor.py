@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from extproc.config import Policy, is_loopback, split_addr
+from extproc.config import Policy, is_loopback, policy_to_dict, split_addr
 from extproc.xds import envoy_binary, render
 
 
@@ -52,12 +52,6 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
     return ports
-
-
-def policy_to_dict(policy: Policy) -> dict:
-    data = dataclasses.asdict(policy)
-    data.pop("source", None)
-    return data
 
 
 def http_ok(url: str, timeout: float = 0.5) -> bool:

@@ -258,11 +258,6 @@ def stream_idle_timeout_s(policy: Policy) -> float:
     return policy.sidecar.max_queue_wait_ms / 1000.0 + 60.0
 
 
-def observes_responses(policy: Policy) -> bool:
-    streaming = policy.streaming or {}
-    return bool(streaming.get("sample_rate", 0.0)) or bool(streaming.get("metered_tenants"))
-
-
 def _strip_gateway_headers() -> TypedExtensionConfig:
     """Client-sent copies of the headers only the gateway may set are removed before the route is chosen (early
     header mutation), so even with the sidecar down (failure_mode_allow) a client cannot pick the pool or the
@@ -303,7 +298,7 @@ def _ext_proc_filter(policy: Policy) -> HttpFilter:
         # Pipeline the buffered body right behind the headers: one round trip of latency instead of two. Envoy
         # then ignores mode_override, so it is off when responses are observed (streaming.sample_rate /
         # metered_tenants), which needs the override in the answer to the headers.
-        send_body_without_waiting_for_header_response=not observes_responses(policy),
+        send_body_without_waiting_for_header_response=not policy.streaming.observes,
         message_timeout=dt.timedelta(milliseconds=policy.sidecar.message_timeout_ms),
         max_message_timeout=dt.timedelta(milliseconds=policy.sidecar.max_queue_wait_ms + 2000),
         stat_prefix=EXTPROC_STAT_PREFIX,
@@ -488,11 +483,10 @@ def _grpc_access_log(policy: Policy) -> AccessLog:
 def _access_log_options(policy: Policy) -> HttpConnectionManagerHcmAccessLogOptions | None:
     """Periodic reports of every open request (bytes sent to the client) only when slow consumers are cut:
     each report costs the sidecar a little, per open request."""
-    slow = (policy.streaming or {}).get("slow_consumer") or {}
-    if not slow.get("min_bytes_per_s"):
+    slow = policy.streaming.slow_consumer
+    if not slow.enabled:
         return None
-    return HttpConnectionManagerHcmAccessLogOptions(
-        access_log_flush_interval=_secs(float(slow.get("report_interval_s", 2.0))))
+    return HttpConnectionManagerHcmAccessLogOptions(access_log_flush_interval=_secs(slow.report_interval_s))
 
 
 def render_listener(policy: Policy, mode: str = "sluice") -> Listener:

@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from extproc.admin import admin_pb2 as pb
 from extproc.admin import admin_pb2_grpc as pb_grpc
-from extproc.config import Policy
+from extproc.config import SidecarConfig
 
 DEFAULT_ADMIN = "127.0.0.1:50061"
 
@@ -28,9 +28,8 @@ class AdminError(RuntimeError):
         self.address, self.code, self.message = address, code, message
 
 
-def admin_addresses(policy: Policy) -> list[str]:
+def admin_addresses(sc: SidecarConfig) -> list[str]:
     """Every worker's admin address (loopback: the admin API never listens elsewhere by default)."""
-    sc = policy.sidecar
     return [f"127.0.0.1:{sc.admin_port + i}" for i in range(max(1, sc.workers))]
 
 

@@ -19,11 +19,11 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 
 import grpc
-from prometheus_client import Gauge
 
 from extproc.admin import admin_pb2 as pb
 from extproc.admin import admin_pb2_grpc as pb_grpc
-from extproc.routing.pool import DEGRADED, EJECTED, HEALTHY, RECOVERING, Pool, Replica
+from extproc.metrics import REPLICA_DRAINING
+from extproc.routing.pool import DEGRADED, EJECTED, Pool, Replica
 
 if TYPE_CHECKING:
     from extproc.gateway import Gateway
@@ -31,12 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.admin")
 
-REPLICA_DRAINING = Gauge("sluice_replica_draining",
-                         "1 while an operator has drained the replica (sluice drain): it takes no new requests.",
-                         ["pool", "replica"])
-
 UNDRAIN_REASON = "undrain"
-DEFAULT_SLOW_START_WEIGHT = 0.1  # routing.health.slow_start_steps[0] by default
 
 ReloadHook = Callable[[str], Union["ReloadResult", Awaitable["ReloadResult"]]]
 
@@ -72,19 +67,12 @@ def _counter_by_pool(metric: Any, pool: str, key: str | None) -> dict[str, float
     return out
 
 
-def _all_degraded(gateway: Gateway, pool: Pool) -> bool:
-    tracker = _tracker(gateway, pool.model)
-    if tracker is not None and hasattr(tracker, "all_degraded"):
-        return bool(tracker.all_degraded)
-    active = [r for r in pool.replicas if not r.draining]
-    return bool(active) and not any(r.state in (HEALTHY, RECOVERING) for r in active)
-
-
 def pool_status(gateway: Gateway, pool: Pool, now: float | None = None) -> pb.PoolStatus:
     from extproc.admission import metrics as am
 
     now = time.monotonic() if now is None else now
-    out = pb.PoolStatus(model=pool.model, cluster=pool.cluster, all_degraded=_all_degraded(gateway, pool),
+    out = pb.PoolStatus(model=pool.model, cluster=pool.cluster,
+                        all_degraded=gateway.fleet.health[pool.model].all_degraded,
                         inflight_requests=pool.inflight_requests, inflight_tokens=pool.inflight_tokens)
     out.replicas.extend(replica_status(r, now) for r in pool.replicas)
     sched = gateway.schedulers.get(pool.model)
@@ -95,8 +83,7 @@ def pool_status(gateway: Gateway, pool: Pool, now: float | None = None) -> pb.Po
             ls = pb.LaneStatus(name=lane.name, queued=len(queue), max_queue=lane.max_queue,
                                max_concurrency=lane.max_concurrency,
                                inflight_requests=sched.lane_requests[i], inflight_tokens=sched.lane_tokens[i])
-            for p, level in enumerate(getattr(queue, "levels", [])):
-                n = sum(len(dq) for dq in level.values())
+            for p, n in enumerate(queue.sizes_by_priority()):
                 if n and p < len(priorities):
                     ls.queued_by_priority[priorities[p]] = n
             out.lanes.append(ls)
@@ -107,48 +94,10 @@ def pool_status(gateway: Gateway, pool: Pool, now: float | None = None) -> pb.Po
     return out
 
 
-def _tracker(gateway: Gateway, model: str) -> Any:
-    """The pool's HealthTracker, when the gateway runs one (`gateway.health[model]`)."""
-    trackers = getattr(gateway, "health", None)
-    if isinstance(trackers, dict):
-        return trackers.get(model)
-    return None
-
-
-def _slow_start_weight(gateway: Gateway) -> float:
-    try:
-        from extproc.routing.policy import RoutingPolicy
-
-        return RoutingPolicy.from_dict(gateway.policy.routing).health.slow_start_steps[0]
-    except Exception:  # an invalid routing section never reaches a running gateway; be safe anyway
-        return DEFAULT_SLOW_START_WEIGHT
-
-
 def begin_slow_start(gateway: Gateway, pool: Pool, r: Replica, now: float | None = None) -> None:
-    """Put a replica at the start of slow start (RECOVERING, first step weight), through the pool's health
-    tracker when there is one, so its step timer restarts too."""
-    now = time.monotonic() if now is None else now
-    tracker = _tracker(gateway, pool.model)
-    if tracker is not None and hasattr(tracker, "begin_slow_start"):
-        tracker.begin_slow_start(r, UNDRAIN_REASON, now)
-        return
-    if tracker is not None and hasattr(tracker, "_move") and hasattr(tracker, "_track"):
-        # The tracker's own transition (weight from its policy, step timer reset, transition counted).
-        tracker._move(r, tracker._track(r), RECOVERING, UNDRAIN_REASON, "operator undrain", now)
-        return
-    frm = r.state
-    r.state = RECOVERING
-    r.weight = _slow_start_weight(gateway)
-    r.state_since = now
-    r.state_reason = f"{UNDRAIN_REASON}: operator undrain, slow start"
-    try:
-        from extproc.routing import metrics as rm
-
-        rmet = rm.replica_metrics(r.pool, r.address)
-        rmet.state(RECOVERING, r.weight)
-        rmet.transition(frm, RECOVERING, UNDRAIN_REASON)
-    except Exception:  # metrics are a view; never fail the undrain on them
-        log.debug("routing metrics unavailable", exc_info=True)
+    """Put a replica at the start of slow start (RECOVERING, first step weight) through the pool's health
+    tracker, so its step timer restarts too."""
+    gateway.fleet.health[pool.model].begin_slow_start(r, UNDRAIN_REASON, "operator undrain", now)
 
 
 class ReplicaNotFound(LookupError):
@@ -197,9 +146,7 @@ def undrain(gateway: Gateway, address: str, pool: str = "") -> pb.DrainResponse:
         if not (r.engine.scrape_failures and r.state in (DEGRADED, EJECTED)):
             begin_slow_start(gateway, p, r)  # an unreachable one stays put: health starts it once it answers
         log.warning("replica %s/%s undrained by operator: %s at weight %g", p.model, r.address, r.state, r.weight)
-        kick = getattr(gateway, "kick_all", None)
-        if kick is not None:
-            kick()  # capacity came back: dispatch what waits
+        gateway.fleet.kick_all()  # capacity came back: dispatch what waits
         msg = f"{r.address} undrained: {r.state} at weight {r.weight:g} (slow start)"
     else:
         msg = f"{r.address} was not drained ({r.state}, weight {r.weight:g})"

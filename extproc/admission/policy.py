@@ -7,24 +7,27 @@ from stalling short ones (P3).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from extproc.request import PRIORITIES
+from extproc.schema import positive, require, share
 
 
 @dataclass
 class LanePolicy:
     """One size class of requests, by estimated prompt tokens."""
 
-    name: str
+    name: str                         # the lane's name (metrics label `lane`)
     max_prompt_tokens: int            # this lane takes prompts up to this size (the last lane: everything above)
     max_queue: int = 1000             # requests waiting in this lane; beyond it new ones are shed (429)
     max_concurrency: int = 0          # requests of this lane in flight across the pool; 0 = no lane limit
     max_inflight_tokens: int = 0      # token footprint of this lane in flight across the pool; 0 = no limit
     max_replica_share: float = 1.0    # share of the pool's replicas that may run this lane's requests at once
     replicas: list[str] = field(default_factory=list)  # dedicated replicas ("ip:port"); empty = any replica
+
+    def validate(self, path: str) -> None:
+        require(self.max_queue >= 0, f"{path}.max_queue", "must be >= 0")
+        share(self, path, "max_replica_share")
 
 
 def default_lanes() -> list[LanePolicy]:
@@ -39,8 +42,10 @@ def default_lanes() -> list[LanePolicy]:
 
 @dataclass
 class AdmissionPolicy:
+    """When a request may enter and on which replica: lanes, the fair queue, the fit test and the score."""
+
     enabled: bool = True                  # false: no queue, no limits, just pick the least-loaded replica
-    lanes: list[LanePolicy] = field(default_factory=default_lanes)
+    lanes: list[LanePolicy] = field(default_factory=default_lanes)  # size classes, by increasing max_prompt_tokens
     kv_margin: float = 0.1                # keep this share of each replica's KV cache free (P9: no preemption)
     kv_capacity_tokens: int = 0           # per replica, when the engine does not export vllm:cache_config_info
     max_concurrency_per_replica: int = 64  # requests this sidecar keeps in flight on one replica
@@ -59,8 +64,8 @@ class AdmissionPolicy:
                                           # under a flood, at the flood's throughput (P1f)
     priorities: list[str] = field(default_factory=lambda: list(PRIORITIES))  # highest first
     affinity_slack: float = 0.0           # prefer the prompt-prefix replica if its score is within this share
-    score_kv_weight: float = 1.0          # score = predicted TTFT / target + kv_weight * KV fraction after
-    score_waiting_weight: float = 0.5     #         + waiting_weight * engine waiting
+    score_kv_weight: float = 1.0          # score term: this x the replica's KV fraction after placing
+    score_waiting_weight: float = 0.5     # score term: this x the engine's waiting requests
 
     def lane_for(self, prompt_tokens: int) -> int:
         for i, lane in enumerate(self.lanes):
@@ -68,44 +73,14 @@ class AdmissionPolicy:
                 return i
         return len(self.lanes) - 1
 
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(f"admission.{message}")
-
-
-def admission_policy_from_dict(data: dict[str, Any], default_max_wait_s: float) -> AdmissionPolicy:
-    """Validate the `admission:` mapping; every error names the field."""
-    data = dict(data or {})
-    known = {f.name for f in dataclasses.fields(AdmissionPolicy)}
-    unknown = sorted(set(data) - known)
-    _check(not unknown, f"unknown field(s): {', '.join(unknown)}")
-    lanes_raw = data.pop("lanes", None)
-    policy = AdmissionPolicy(**data)
-    if lanes_raw is not None:
-        _check(isinstance(lanes_raw, list) and lanes_raw, "lanes must be a non-empty list")
-        lane_fields = {f.name for f in dataclasses.fields(LanePolicy)}
-        lanes = []
-        for i, raw in enumerate(lanes_raw):
-            _check(isinstance(raw, dict), f"lanes[{i}] must be a mapping")
-            bad = sorted(set(raw) - lane_fields)
-            _check(not bad, f"lanes[{i}]: unknown field(s) {', '.join(bad)}")
-            _check("name" in raw and "max_prompt_tokens" in raw, f"lanes[{i}] needs name and max_prompt_tokens")
-            lanes.append(LanePolicy(**raw))
-        policy.lanes = lanes
-    bounds = [lane.max_prompt_tokens for lane in policy.lanes]
-    _check(bounds == sorted(bounds) and len(set(bounds)) == len(bounds),
-           "lanes must be ordered by increasing max_prompt_tokens")
-    for lane in policy.lanes:
-        _check(lane.max_queue >= 0, f"lanes[{lane.name}].max_queue must be >= 0")
-        _check(0 < lane.max_replica_share <= 1, f"lanes[{lane.name}].max_replica_share must be in (0, 1]")
-    _check(0 <= policy.kv_margin < 1, "kv_margin must be in [0, 1)")
-    _check(policy.max_concurrency_per_replica > 0, "max_concurrency_per_replica must be > 0")
-    _check(policy.prefill_tokens_per_s > 0, "prefill_tokens_per_s must be > 0")
-    _check(policy.ttft_target_s > 0, "ttft_target_s must be > 0")
-    _check(all(w > 0 for w in policy.tenant_weights.values()), "tenant_weights must be > 0")
-    _check(0 < policy.tenant_prefill_share <= 1, "tenant_prefill_share must be in (0, 1]")
-    _check(set(policy.priorities) == set(PRIORITIES), f"priorities must be an ordering of {list(PRIORITIES)}")
-    if policy.max_wait_s <= 0:
-        policy.max_wait_s = default_max_wait_s
-    return policy
+    def validate(self, path: str) -> None:
+        require(bool(self.lanes), f"{path}.lanes", "must be a non-empty list")
+        bounds = [lane.max_prompt_tokens for lane in self.lanes]
+        require(bounds == sorted(bounds) and len(set(bounds)) == len(bounds), f"{path}.lanes",
+                "must be ordered by increasing max_prompt_tokens")
+        require(0 <= self.kv_margin < 1, f"{path}.kv_margin", "must be in [0, 1)")
+        positive(self, path, "max_concurrency_per_replica", "prefill_tokens_per_s", "ttft_target_s")
+        require(all(w > 0 for w in self.tenant_weights.values()), f"{path}.tenant_weights", "must be > 0")
+        share(self, path, "tenant_prefill_share")
+        require(set(self.priorities) == set(PRIORITIES), f"{path}.priorities",
+                f"must be an ordering of {list(PRIORITIES)}")

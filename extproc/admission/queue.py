@@ -88,6 +88,10 @@ class FairQueue:
                 ahead += min(len(dq), int(mine * self.weights.get(t, 1.0) / w_own + 0.999))
         return ahead
 
+    def sizes_by_priority(self) -> list[int]:
+        """Waiters per priority class, highest first."""
+        return [sum(len(dq) for dq in level.values()) for level in self.levels]
+
     def has_waiting_at_or_above(self, priority: int) -> bool:
         return any(self.levels[p] for p in range(priority + 1))
 

@@ -24,7 +24,7 @@ from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
 from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import Pool, Replica
 
 
@@ -307,4 +307,38 @@ class Scheduler:
 
     def queued_total(self) -> int:
         return sum(q.size for q in self.queues)
+
+    # ---- a policy reload replaced this pool's scheduler -----------------------------------------------------
+    def take_over(self, old: Scheduler) -> None:
+        """Continue what `old` (the scheduler a reload replaced) was doing: its waiters keep their place (same
+        lane, same deadline) in this one's queues, and what the engines counted still calibrates the prompt
+        estimates. Requests `old` placed release to it (`Placement.owner`)."""
+        if self.policy.calibrate_prompt_tokens:
+            self.calibration = old.calibration
+            self.calibration.enabled = True
+            self.m.estimate_factor(self.calibration.factor)
+        for lane, w in old._take_queued():
+            self.queues[lane].push(w)
+            self.m.queued(lane, w.priority, +1)
+        if self.queued_total():
+            self._arm_timer()
+            self.kick()
+
+    def shed_queued(self, shed: Shed) -> None:
+        """The pool is gone: every waiter gets `shed` as its answer."""
+        for _lane, w in self._take_queued():
+            w.future.set_exception(shed)
+
+    def _take_queued(self) -> list[tuple[int, Waiter]]:
+        """Empty the queues; the waiters still waiting, with their lane."""
+        out = []
+        for lane, queue in enumerate(self.queues):
+            while queue.size:
+                w = queue.peek()
+                assert w is not None
+                queue.pop(w)
+                self.m.queued(lane, w.priority, -1)
+                if not w.future.done():
+                    out.append((lane, w))
+        return out
 

@@ -1,7 +1,7 @@
 """Budgets: the facade the server calls on the hot path (retry budget P5, task budgets P11, tenant tokens per minute,
 prompt cost shift P10).
 
-    budgets = Budgets(BudgetPolicy.from_dict(cfg.get("budgets")), capacity_tokens_per_s=fn, sidecar_count_hint=n)
+    budgets = Budgets(policy.budgets, capacity_tokens_per_s=fn, sidecar_count_hint=n)
     await budgets.start()
     try:
         charge = await budgets.admit(req)          # raises BudgetExceeded: answer with e.status / e.headers()
@@ -28,7 +28,6 @@ import os
 import time
 from typing import Any, Callable
 
-from extproc.budgets import store as _store
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.keys import ident
 from extproc.budgets.policy import (
@@ -40,11 +39,24 @@ from extproc.budgets.policy import (
     TaskPolicy,
     TenantPolicy,
 )
+from extproc.budgets.memory_store import MemoryStore
+from extproc.budgets.ops import (
+    BACKEND_MEMORY,
+    DUPLICATE,
+    OK,
+    RETRY_BUDGET,
+    TASK_LIMIT,
+    AdmitOp,
+    AdmitResult,
+    Charged,
+    SettleOp,
+)
 from extproc.budgets.prompt_shift import PromptShiftTracker
+from extproc.budgets.redis_store import RedisStore
 from extproc.budgets.retry import RetryBudget
-from extproc.budgets.store import AdmitOp, MemoryStore, RedisStore, SettleOp
+from extproc.budgets.store import Store, make_store
 from extproc.budgets.tasks import TaskBudget
-from extproc.budgets.tenants import WINDOW_S, TenantBudget
+from extproc.budgets.tenants import TenantBudget
 from extproc.request import LLMRequest
 
 __all__ = ["Budgets", "BudgetExceeded", "Charge", "BudgetPolicy", "StorePolicy", "RedisPolicy", "RetryPolicy",
@@ -54,14 +66,14 @@ log = logging.getLogger("sluice.budgets")
 
 
 class Charge:
-    """What `admit` charged for one request; hand it back to `settle` exactly once (extra calls are no-ops)."""
+    """What `admit` charged for one request; hand it back to `settle` exactly once (extra calls are no-ops).
+    `charged` is the store's record of it (ops.Charged); the rest is what settling reports on."""
 
-    __slots__ = ("token", "backend", "admitted_at", "tenant", "app", "model", "prefix_key", "is_retry",
-                 "est_prompt", "est_total", "markers", "task_key", "task_active_key", "task_member", "task_on",
-                 "task_active_on", "q_name", "q_idx", "q_on", "settled")
+    __slots__ = ("charged", "backend", "admitted_at", "tenant", "app", "model", "prefix_key", "is_retry",
+                 "est_prompt", "est_total", "settled")
 
-    def __init__(self, token: str, backend: str, now: float, req: LLMRequest, is_retry: bool) -> None:
-        self.token = token
+    def __init__(self, charged: Charged, backend: str, now: float, req: LLMRequest, is_retry: bool) -> None:
+        self.charged = charged
         self.backend = backend
         self.admitted_at = now
         self.tenant = req.tenant
@@ -71,14 +83,14 @@ class Charge:
         self.is_retry = is_retry
         self.est_prompt = req.prompt_tokens
         self.est_total = req.total_tokens
-        self.markers: tuple[str, ...] = ()
-        self.task_on = False
-        self.task_active_on = False
-        self.q_on = False
         self.settled = False
 
+    @property
+    def token(self) -> str:
+        return self.charged.token
+
     def __repr__(self) -> str:
-        return (f"Charge(token={self.token!r}, backend={self.backend}, tenant={self.tenant!r}, "
+        return (f"Charge(token={self.charged.token!r}, backend={self.backend}, tenant={self.tenant!r}, "
                 f"is_retry={self.is_retry}, est_total={self.est_total}, settled={self.settled})")
 
 
@@ -95,11 +107,7 @@ class Budgets:
         if share is None:
             share = 1.0 / sidecar_count_hint
         self.share = share
-        self.store: MemoryStore | RedisStore
-        if policy.store.kind == "redis":
-            self.store = RedisStore(policy.store.redis, fallback_share=share)
-        else:
-            self.store = MemoryStore(share=share)
+        self.store: Store = make_store(policy.store, share)
         self._memory = self.store if isinstance(self.store, MemoryStore) else None
         self.retry = RetryBudget(policy.retry)
         self.tasks = TaskBudget(policy.tasks)
@@ -131,7 +139,7 @@ class Budgets:
             now = time.time()
         op = self._admit_op(req, now)
         if op is None:
-            return Charge(self._token_prefix, _store.BACKEND_MEMORY, now, req, req.retry_count > 0)
+            return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
         mem = self._memory
         res = mem.admit_sync(op) if mem is not None else await self.store.admit(op)
         return self._admitted(req, op, res)
@@ -145,7 +153,7 @@ class Budgets:
             now = time.time()
         op = self._admit_op(req, now)
         if op is None:
-            return Charge(self._token_prefix, _store.BACKEND_MEMORY, now, req, req.retry_count > 0)
+            return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
         return self._admitted(req, op, mem.admit_sync(op))
 
     def _admit_op(self, req: LLMRequest, now: float) -> AdmitOp | None:
@@ -156,35 +164,21 @@ class Budgets:
         self.retry.prepare(op, req, tenant)
         self.tasks.prepare(op, req, tenant)
         self.tenants.prepare(op, req, tenant)
-        if not (op.markers or op.r_on or op.t_on or op.q_on):
-            return None
-        return op
+        return op if op.checks_anything else None
 
-    def _admitted(self, req: LLMRequest, op: AdmitOp, res: _store.AdmitResult) -> Charge:
+    def _admitted(self, req: LLMRequest, op: AdmitOp, res: AdmitResult) -> Charge:
         code = res.code
-        if code != _store.OK:
-            if code == _store.DUPLICATE or code == _store.RETRY_BUDGET:
+        if code != OK:
+            if code == DUPLICATE or code == RETRY_BUDGET:
                 raise self.retry.rejection(req, res)
             if res.is_retry:
                 self.retry.seen_rejected(req)
-            if code == _store.TASK_LIMIT:
+            if code == TASK_LIMIT:
                 raise self.tasks.rejection(req, res)
             raise self.tenants.rejection(req, res)
         if res.is_retry:
             self.retry.admitted(req, True)
-        charge = Charge(op.token, res.backend, op.now, req, res.is_retry)
-        charge.markers = op.markers
-        if op.t_on:
-            charge.task_on = True
-            charge.task_key = op.t_key
-            charge.task_active_key = op.t_active_key
-            charge.task_member = op.t_member
-            charge.task_active_on = op.t_max_active > 0
-        if op.q_on:
-            charge.q_on = True
-            charge.q_name = op.q_name
-            charge.q_idx = _store.window_index(op.now, op.q_window_s)[0]
-        return charge
+        return Charge(op.charged(), res.backend, op.now, req, res.is_retry)
 
     # ------------------------------------------------------------------------------------------------ settle
     async def settle(self, charge: Charge | None, *, completed: bool, prompt_tokens: int | None = None,
@@ -233,26 +227,11 @@ class Budgets:
         pt = charge.est_prompt if prompt_tokens is None else prompt_tokens
         ct = (charge.est_total - charge.est_prompt) if completion_tokens is None else completion_tokens
         actual = pt + ct
-        if not (charge.markers or charge.task_on or charge.q_on):
+        if not charge.charged.anything:
             return None, actual, pt
         delta = actual - charge.est_total
-        op = SettleOp(time.time() if now is None else now, charge.token)
-        op.markers = charge.markers
-        op.dedupe_ttl_s = self.policy.retry.dedupe_window_s
-        if charge.task_on:
-            op.t_on = True
-            op.t_key = charge.task_key
-            op.t_active_key = charge.task_active_key
-            op.t_member = charge.task_member
-            op.t_delta = delta
-            op.t_active_on = charge.task_active_on
-            op.t_idle_s = self.policy.tasks.idle_s
-        if charge.q_on:
-            op.q_on = True
-            op.q_name = charge.q_name
-            op.q_window_s = WINDOW_S
-            op.q_idx = charge.q_idx
-            op.q_delta = delta
+        op = SettleOp(time.time() if now is None else now, charge.charged, self.policy.retry.dedupe_window_s,
+                      task_delta=delta, quota_delta=delta, idle_s=self.policy.tasks.idle_s)
         return op, actual, pt
 
     def _settled(self, charge: Charge, completed: bool, actual: int, pt: int, completion_tokens: int | None,

@@ -23,7 +23,7 @@ from extproc.budgets import metrics
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.keys import ident
 from extproc.budgets.policy import RetryPolicy
-from extproc.budgets.store import AdmitOp, AdmitResult
+from extproc.budgets.ops import DUPLICATE, AdmitOp, AdmitResult, RetryCheck
 from extproc.request import LLMRequest
 
 CODE_BUDGET = "retry_budget_exceeded"
@@ -60,7 +60,7 @@ class RetryBudget:
         p = self.policy
         op.markers = self.markers(req, tenant)
         op.inflight_ttl_s = p.inflight_ttl_s
-        op.set_retry(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
+        op.retry = RetryCheck(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
 
     def admitted(self, req: LLMRequest, is_retry: bool) -> None:
         if is_retry:
@@ -73,7 +73,7 @@ class RetryBudget:
 
     def rejection(self, req: LLMRequest, res: AdmitResult) -> BudgetExceeded:
         self._seen.get(req.model).inc()
-        if res.code == 1:  # store.DUPLICATE
+        if res.code == DUPLICATE:
             self._rej_dup.get(req.model).inc()
             kind = res.detail.split(":", 3)[2] if res.detail.count(":") >= 3 else ""
             what = _KIND_NAMES.get(kind, "identity")

@@ -1,7 +1,7 @@
 """Per agent task budgets (P11): calls, tokens, loop depth, wall time, and active tasks per tenant.
 
-A task is identified by (tenant, task id) where the task id comes from the `tasks.header` request header (the
-server parses it into `LLMRequest.task_id`); requests without a task id are not task-budgeted. Per task the store
+A task is identified by (tenant, task id) where the task id comes from the `x-sluice-task-id` request header
+(the gateway reads it into `LLMRequest.task_id`); requests without a task id are not task-budgeted. Per task the store
 keeps {calls, tokens, first call time, calls in flight}; every limit is checked and charged in the store's one
 atomic admit, so limits hold exactly across sidecars sharing a Redis:
     calls + 1            <= max_calls
@@ -19,7 +19,7 @@ from extproc.budgets import metrics
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.keys import ident
 from extproc.budgets.policy import TaskPolicy
-from extproc.budgets.store import BACKEND_LOCAL, AdmitOp, AdmitResult
+from extproc.budgets.ops import BACKEND_LOCAL, AdmitOp, AdmitResult, TaskCheck, TaskRef
 from extproc.request import LLMRequest
 
 CODE = "task_budget_exceeded"
@@ -48,8 +48,8 @@ class TaskBudget:
             return False
         p = self.policy
         tid = ident(req.task_id)
-        op.set_task(f"t:{tenant}:{tid}", f"ta:{tenant}", tid, req.total_tokens, p.max_calls, p.max_tokens,
-                    p.max_wall_s, p.max_active_per_tenant, self.ttl_s)
+        op.task = TaskCheck(TaskRef(f"t:{tenant}:{tid}", f"ta:{tenant}", tid), req.total_tokens, p.max_calls,
+                            p.max_tokens, p.max_wall_s, p.max_active_per_tenant, self.ttl_s)
         return True
 
     def rejection(self, req: LLMRequest, res: AdmitResult) -> BudgetExceeded:

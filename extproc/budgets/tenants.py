@@ -16,7 +16,7 @@ from typing import Callable
 from extproc.budgets import metrics
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.policy import TenantPolicy
-from extproc.budgets.store import BACKEND_LOCAL, AdmitOp, AdmitResult
+from extproc.budgets.ops import BACKEND_LOCAL, AdmitOp, AdmitResult, QuotaCheck
 from extproc.request import LLMRequest
 
 CODE = "tenant_token_limit"
@@ -59,7 +59,7 @@ class TenantBudget:
         limit = self.policy.limit_for(req.tenant)
         if limit <= 0:
             return False
-        op.set_quota(f"q:{tenant}", req.total_tokens, limit, WINDOW_S)
+        op.quota = QuotaCheck(f"q:{tenant}", req.total_tokens, limit, WINDOW_S)
         return True
 
     def charged(self, tenant: str, tokens: int) -> None:

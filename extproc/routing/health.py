@@ -349,6 +349,11 @@ class HealthTracker:
             return p.slow_start_steps[0]
         return 0.0
 
+    def begin_slow_start(self, r: Replica, reason: str, detail: str = "", now: float | None = None) -> None:
+        """Put a replica at the first slow-start step (RECOVERING), e.g. when an operator undrains it: its step
+        timer restarts, and the transition is counted and logged like any other."""
+        self._move(r, self._track(r), RECOVERING, reason, detail, time.monotonic() if now is None else now)
+
     def _move(self, r: Replica, tr: _Track, to: str, code: str, detail: str, now: float) -> None:
         frm = r.state
         r.state = to

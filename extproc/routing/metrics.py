@@ -50,32 +50,26 @@ REPLICA_STATE = Gauge(
     "1 for the replica's current health state (healthy, degraded, ejected, recovering), 0 for the others.",
     ["pool", "replica", "state"],
 )
-REPLICA_WEIGHT = Gauge(
+
+
+def _per_replica(name: str, documentation: str) -> Gauge:
+    return Gauge(name, documentation, ["pool", "replica"])
+
+
+REPLICA_WEIGHT = _per_replica(
     "sluice_replica_weight",
-    "Share of normal capacity the replica may take (slow start 0.1..1.0, degraded 0.25, ejected 0).",
-    ["pool", "replica"],
-)
-REPLICA_KV_USAGE = Gauge("sluice_replica_kv_usage", "Scraped KV-cache usage of the replica, 0..1.",
-                         ["pool", "replica"])
-REPLICA_RUNNING = Gauge("sluice_replica_running", "Scraped requests running in the replica's engine.",
-                        ["pool", "replica"])
-REPLICA_WAITING = Gauge("sluice_replica_waiting", "Scraped requests waiting in the replica's own queue.",
-                        ["pool", "replica"])
-REPLICA_TTFT_P95 = Gauge(
+    "Share of normal capacity the replica may take (slow start 0.1..1.0, degraded 0.25, ejected 0).")
+REPLICA_KV_USAGE = _per_replica("sluice_replica_kv_usage", "Scraped KV-cache usage of the replica, 0..1.")
+REPLICA_RUNNING = _per_replica("sluice_replica_running", "Scraped requests running in the replica's engine.")
+REPLICA_WAITING = _per_replica("sluice_replica_waiting", "Scraped requests waiting in the replica's own queue.")
+REPLICA_TTFT_P95 = _per_replica(
     "sluice_replica_ttft_p95_seconds",
-    "p95 time to first token over the scrape window, from the engine's histogram bucket deltas (0 = no samples).",
-    ["pool", "replica"],
-)
-REPLICA_GEN_TPS = Gauge(
+    "p95 time to first token over the scrape window, from the engine's histogram bucket deltas (0 = no samples).")
+REPLICA_GEN_TPS = _per_replica(
     "sluice_replica_generation_tokens_per_second",
-    "Generated tokens per second over the scrape window, from the engine's counter deltas.",
-    ["pool", "replica"],
-)
-REPLICA_SCRAPE_AGE = Gauge(
-    "sluice_replica_scrape_age_seconds",
-    "Seconds since the last successful scrape of the replica's /metrics.",
-    ["pool", "replica"],
-)
+    "Generated tokens per second over the scrape window, from the engine's counter deltas.")
+REPLICA_SCRAPE_AGE = _per_replica("sluice_replica_scrape_age_seconds",
+                                  "Seconds since the last successful scrape of the replica's /metrics.")
 HEALTH_TRANSITIONS = Counter(
     "sluice_replica_health_transitions_total",
     "Health state changes of a replica, by previous state, new state and reason code.",

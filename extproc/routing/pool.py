@@ -71,7 +71,7 @@ class Replica:
     tenant_prefill_until: dict[str, float] = field(default_factory=dict)
     served_total: int = 0
     errors_total: int = 0
-    peak_tps: float = 0.0               # token throughput (prompt + generated) the last time it was busy
+    busy_prompt_tps: float = 0.0        # prompt tokens/s its engine showed the last time it was busy (capacity.py)
     # engine state and health
     engine: EngineState = field(default_factory=EngineState)
     state: str = HEALTHY
@@ -108,6 +108,8 @@ class Replica:
         self.placed_since_scrape_requests = 0
         if engine.kv_capacity_tokens:
             self.kv_capacity_tokens = engine.kv_capacity_tokens
+        if engine.running + engine.waiting > 0 and engine.prompt_tps > 0:
+            self.busy_prompt_tps = engine.prompt_tps
 
     @property
     def routable(self) -> bool:

@@ -4,18 +4,19 @@ import asyncio
 
 import pytest
 
-from extproc.admission.policy import LanePolicy, admission_policy_from_dict
+from extproc.admission.policy import LanePolicy
 from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler, Shed
-from extproc.config import PoolConfig
+from extproc.config import PoolConfig, parse_section, policy_from_dict
 from extproc.request import LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import EJECTED, Pool
 
 
 def make(n_replicas: int = 2, **admission) -> Scheduler:
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n_replicas)]))
-    policy = admission_policy_from_dict({"kv_capacity_tokens": 10_000, "kv_margin": 0.0, **admission}, 5.0)
+    policy = parse_section("admission", {"kv_capacity_tokens": 10_000, "kv_margin": 0.0, "max_wait_s": 5.0,
+                                         **admission})
     return Scheduler(pool, policy, Placer(pool, policy))
 
 
@@ -162,14 +163,16 @@ async def test_fairness_across_tenants_in_dispatch_order():
 
 def test_policy_validation_names_fields():
     with pytest.raises(ValueError, match="admission.kv_margin"):
-        admission_policy_from_dict({"kv_margin": 1.5}, 1.0)
+        parse_section("admission", {"kv_margin": 1.5})
     with pytest.raises(ValueError, match="lanes must be ordered"):
-        admission_policy_from_dict({"lanes": [{"name": "a", "max_prompt_tokens": 10},
-                                              {"name": "b", "max_prompt_tokens": 5}]}, 1.0)
+        parse_section("admission", {"lanes": [{"name": "a", "max_prompt_tokens": 10},
+                                               {"name": "b", "max_prompt_tokens": 5}]})
     with pytest.raises(ValueError, match="unknown field"):
-        admission_policy_from_dict({"bogus": 1}, 1.0)
-    assert isinstance(admission_policy_from_dict({}, 3.0).lanes[0], LanePolicy)
-    assert admission_policy_from_dict({}, 3.0).max_wait_s == 3.0
+        parse_section("admission", {"bogus": 1})
+    assert isinstance(parse_section("admission", {}).lanes[0], LanePolicy)
+    derived = policy_from_dict({"pools": [{"model": "m", "replicas": ["10.0.0.1:8000"]}],
+                                "sidecar": {"max_queue_wait_ms": 3000}})
+    assert derived.admission.max_wait_s == 3.0  # 0 = sidecar.max_queue_wait_ms
 
 
 async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
@@ -211,8 +214,8 @@ async def test_a_flood_held_at_its_prefill_share_stays_queued_and_a_quiet_tenant
 
 def test_tenant_prefill_share_is_validated():
     with pytest.raises(ValueError, match="admission.tenant_prefill_share"):
-        admission_policy_from_dict({"tenant_prefill_share": 0}, 1.0)
-    assert admission_policy_from_dict({"tenant_prefill_share": 1.0}, 1.0).tenant_prefill_share == 1.0
+        parse_section("admission", {"tenant_prefill_share": 0})
+    assert parse_section("admission", {"tenant_prefill_share": 1.0}).tenant_prefill_share == 1.0
 
 
 async def test_a_replica_whose_first_token_would_come_after_the_client_left_is_not_used():

@@ -11,7 +11,7 @@ from extproc.admission.token_calibration import (
     TokenCalibration,
 )
 from extproc.request import LLMRequest
-from extproc.routing.placement import Placer
+from extproc.admission.placement import Placer
 from extproc.routing.pool import DEGRADED, Pool, Replica
 from extproc.routing.scrape import ScrapedState
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench import report
 from bench.openloop import ClientSpec, Record, business_should_retry, scan_events, sdk_backoff, sdk_should_retry
-from bench.runner import parse_prom, parse_prom_labels, run_scenarios
+from bench.runner import parse_prom, parse_prom_labels, policy_dict, run_scenarios
 from bench.scenarios import SCENARIOS, get_scenarios
 from bench.scenarios.base import (Metric, RunData, Scenario, Workload, chat, in_windows, pct, ratio, rnd,
                                   scale_arrivals, ttfts_censored)
@@ -192,26 +192,14 @@ def test_every_scenario_is_bounded_documented_and_robust(sid: str):
     assert ok is False and why
 
 
-def test_sluice_policy_sections_parse_with_the_sidecars_own_parsers():
-    adm = pytest.importorskip("extproc.admission.policy")
-    rout = pytest.importorskip("extproc.routing.policy")
-    bud = pytest.importorskip("extproc.budgets.policy")
-    streaming = pytest.importorskip("extproc.streaming")
-    identity = pytest.importorskip("extproc.identity")
+def test_sluice_policy_sections_parse_with_the_sidecars_own_parser():
+    from extproc.config import policy_from_dict
+
     for sc in get_scenarios(["all"]):
         sc.workload(True)
         p = sc.sluice_policy
         assert set(p) <= {"admission", "routing", "budgets", "tenants", "streaming"}
-        if "streaming" in p:
-            streaming.StreamingPolicy.from_dict(p["streaming"])
-        if "tenants" in p:
-            identity.TenantPolicy.from_dict(p["tenants"])
-        if "admission" in p:
-            adm.admission_policy_from_dict(p["admission"], 30.0)
-        if "routing" in p:
-            rout.RoutingPolicy.from_dict(p["routing"])
-        if "budgets" in p:
-            bud.BudgetPolicy.from_dict(p["budgets"])
+        policy_from_dict(policy_dict(sc, "sluice", 0))  # raises PolicyError naming any field it rejects
 
 
 class _Fake(Scenario):

@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 
 from extproc.budgets import BudgetPolicy, Budgets
+from extproc.config import parse_section
 from extproc.request import LLMRequest
 
 REDIS_BIN = shutil.which("redis-server")
@@ -115,7 +116,7 @@ def policy(kind: str = "memory", url: str | None = None, prefix: str | None = No
         r["key_prefix"] = prefix or f"test-{uuid.uuid4().hex[:8]}:"
         st["redis"] = r
     d["store"] = st
-    return BudgetPolicy.from_dict(d)
+    return parse_section("budgets", d)
 
 
 @pytest_asyncio.fixture(params=["memory", "redis"])

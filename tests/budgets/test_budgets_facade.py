@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from extproc.budgets import BudgetExceeded, BudgetPolicy, Budgets
+from extproc.config import parse_section
 
 from .conftest import req
 
@@ -15,13 +16,14 @@ T0 = 1_000_020.0
 
 def test_memory_admit_and_settle_never_yield() -> None:
     """With the memory store the coroutines finish on their first step: no await that yields to the loop."""
-    b = Budgets(BudgetPolicy.from_dict({"tasks": {"max_calls": 5}, "tenants": {"default": 10**6},
+    b = Budgets(parse_section("budgets", {"tasks": {"max_calls": 5}, "tenants": {"default": 10**6},
                                         "retry": {"use_fingerprint": True}}))
     coro = b.admit(req(task_id="t", idempotency_key="k"), now=T0)
     with pytest.raises(StopIteration) as stop:
         coro.send(None)
     charge = stop.value.value
-    assert charge.backend == "memory" and charge.task_on and charge.q_on and len(charge.markers) == 3
+    c = charge.charged
+    assert charge.backend == "memory" and c.task is not None and c.quota is not None and len(c.markers) == 3
     coro = b.settle(charge, completed=True, prompt_tokens=10, completion_tokens=10, now=T0)
     with pytest.raises(StopIteration):
         coro.send(None)
@@ -29,7 +31,7 @@ def test_memory_admit_and_settle_never_yield() -> None:
 
 
 def test_sidecar_count_hint_sets_the_local_share() -> None:
-    b = Budgets(BudgetPolicy.from_dict({"tasks": {"max_calls": 20}}), sidecar_count_hint=4)
+    b = Budgets(parse_section("budgets", {"tasks": {"max_calls": 20}}), sidecar_count_hint=4)
     assert b.share == 0.25
     got = 0
     for _ in range(10):
@@ -39,7 +41,7 @@ def test_sidecar_count_hint_sets_the_local_share() -> None:
         except BudgetExceeded:
             pass
     assert got == 5
-    assert Budgets(BudgetPolicy.from_dict({"store": {"fallback_share": 0.5}}), sidecar_count_hint=4).share == 0.5
+    assert Budgets(parse_section("budgets", {"store": {"fallback_share": 0.5}}), sidecar_count_hint=4).share == 0.5
     with pytest.raises(ValueError, match="sidecar_count_hint"):
         Budgets(BudgetPolicy(), sidecar_count_hint=0)
 
@@ -103,9 +105,9 @@ async def test_cancelled_admit_does_not_pin_a_duplicate(make_budgets, steps: int
 
 @pytest.mark.asyncio
 async def test_no_checks_configured_is_free() -> None:
-    b = Budgets(BudgetPolicy.from_dict({"retry": {"enabled": False}}))
+    b = Budgets(parse_section("budgets", {"retry": {"enabled": False}}))
     c = await b.admit(req(task_id="t", retry_count=3), now=T0)
-    assert not c.markers and not c.task_on and not c.q_on and c.is_retry
+    assert not c.charged.anything and c.is_retry
     assert b.store.stats()["windows"] == 0
 
 

@@ -1,35 +1,34 @@
-"""BudgetPolicy.from_dict: defaults, the documented YAML, and validation errors naming the field."""
+"""The `budgets:` section: defaults, a YAML round trip, and validation errors naming the field."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import yaml
 
-from extproc.budgets import policy as policy_mod
 from extproc.budgets.policy import BudgetPolicy
+from extproc.config import parse_section
+from extproc.schema import to_dict
 
 
 def test_defaults() -> None:
-    p = BudgetPolicy.from_dict(None)
-    assert p == BudgetPolicy.from_dict({}) == BudgetPolicy()
+    p = parse_section("budgets", None)
+    assert p == parse_section("budgets", {}) == BudgetPolicy()
     assert p.store.kind == "memory" and p.store.fallback_share is None
     assert (p.retry.max_share, p.retry.window_s, p.retry.dedupe_window_s, p.retry.floor) == (0.1, 10.0, 30.0, 3)
-    assert p.tasks.header == "x-sluice-task-id" and p.tasks.max_calls == 0 and not p.tasks.enabled
+    assert p.tasks.max_calls == 0 and not p.tasks.enabled
     assert p.tenants.tokens_per_minute == {} and p.tenants.default == 0 and not p.tenants.enabled
     assert p.prompt_shift.threshold == 0.3
 
 
-def test_documented_yaml_is_the_defaults() -> None:
-    """The YAML block in policy.py's docstring parses, validates, and equals the defaults (docs stay true)."""
-    block = re.search(r"```yaml\n(.*?)```", policy_mod.__doc__, re.S).group(1)
-    parsed = BudgetPolicy.from_dict(yaml.safe_load(block)["budgets"])
-    assert parsed == BudgetPolicy()
+def test_yaml_round_trip_is_the_defaults() -> None:
+    """Every default written out as YAML (what `sluice up` hands its sidecars) parses back to the defaults."""
+    text = yaml.safe_dump({"budgets": to_dict(BudgetPolicy())})
+    assert "redis" in text and "tokens_per_minute" in text
+    assert parse_section("budgets", yaml.safe_load(text)["budgets"]) == BudgetPolicy()
 
 
 def test_full_dict() -> None:
-    p = BudgetPolicy.from_dict({
+    p = parse_section("budgets", {
         "store": {"kind": "redis", "fallback_share": 0.25, "redis": {"url": "redis://10.0.0.1:6379/1"}},
         "retry": {"max_share": 0.2, "floor": 5, "use_fingerprint": False},
         "tasks": {"max_calls": 20, "max_tokens": 50000, "max_wall_s": 300, "max_depth": 8},
@@ -49,29 +48,29 @@ def test_full_dict() -> None:
     ({"retry": {"window_s": 0}}, "budgets.retry.window_s"),
     ({"retry": {"floor": 2.5}}, "budgets.retry.floor"),
     ({"retry": {"enabled": "yes"}}, "budgets.retry.enabled"),
-    ({"retry": {"max_sahre": 0.1}}, "budgets.retry: unknown field(s) max_sahre"),
+    ({"retry": {"max_sahre": 0.1}}, "budgets.retry.max_sahre: unknown field"),
     ({"store": {"kind": "etcd"}}, "budgets.store.kind"),
     ({"store": {"fallback_share": 0}}, "budgets.store.fallback_share"),
     ({"store": {"redis": {"url": "http://x"}}}, "budgets.store.redis.url"),
     ({"store": {"redis": {"socket_timeout_s": -1}}}, "budgets.store.redis.socket_timeout_s"),
     ({"store": {"redis": {"probe_interval_s": 2, "probe_max_interval_s": 1}}},
      "budgets.store.redis.probe_max_interval_s"),
-    ({"store": "redis"}, "budgets.store must be a mapping"),
+    ({"store": "redis"}, "budgets.store: expected a mapping"),
     ({"tasks": {"max_calls": -1}}, "budgets.tasks.max_calls"),
     ({"tasks": {"max_calls": True}}, "budgets.tasks.max_calls"),
-    ({"tasks": {"header": "X-Task"}}, "budgets.tasks.header"),
+    ({"tasks": {"header": "x-task"}}, "budgets.tasks.header: unknown field"),  # the headers are fixed
     ({"tenants": {"tokens_per_minute": {"acme": -5}}}, "budgets.tenants.tokens_per_minute.acme"),
     ({"tenants": {"tokens_per_minute": {"acme": "10k"}}}, "budgets.tenants.tokens_per_minute.acme"),
-    ({"tenants": {"tokens_per_minute": [1, 2]}}, "budgets.tenants.tokens_per_minute must be a mapping"),
+    ({"tenants": {"tokens_per_minute": [1, 2]}}, "budgets.tenants.tokens_per_minute: expected a mapping"),
     ({"prompt_shift": {"threshold": 0}}, "budgets.prompt_shift.threshold"),
-    ({"bogus": {}}, "budgets: unknown field(s) bogus"),
+    ({"bogus": {}}, "budgets.bogus: unknown field"),
 ])
 def test_validation_errors_name_the_field(d: dict, field: str) -> None:
     with pytest.raises(ValueError) as exc:
-        BudgetPolicy.from_dict(d)
+        parse_section("budgets", d)
     assert field in str(exc.value)
 
 
 def test_not_a_mapping() -> None:
-    with pytest.raises(ValueError, match="budgets must be a mapping"):
-        BudgetPolicy.from_dict([1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="budgets: expected a mapping"):
+        parse_section("budgets", [1])  # type: ignore[arg-type]

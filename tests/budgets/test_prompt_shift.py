@@ -7,8 +7,9 @@ import logging
 import pytest
 from prometheus_client import REGISTRY
 
-from extproc.budgets import BudgetPolicy, Budgets, PromptShiftTracker
+from extproc.budgets import Budgets, PromptShiftTracker
 from extproc.budgets.policy import PromptShiftPolicy
+from extproc.config import parse_section
 
 from .conftest import req
 
@@ -92,7 +93,7 @@ def test_state_is_bounded() -> None:
 
 @pytest.mark.asyncio
 async def test_budgets_settle_feeds_completed_requests_only() -> None:
-    b = Budgets(BudgetPolicy.from_dict({"prompt_shift": {"baseline_requests": 3, "sustain_requests": 2}}), cap)
+    b = Budgets(parse_section("budgets", {"prompt_shift": {"baseline_requests": 3, "sustain_requests": 2}}), cap)
     await b.start()
     for _ in range(3):
         c = await b.admit(req(2000, 500, model="llama", app="rag"))

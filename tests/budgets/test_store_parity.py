@@ -9,40 +9,31 @@ import uuid
 import pytest
 
 from extproc.budgets.policy import RedisPolicy
-from extproc.budgets.store import OK, AdmitOp, MemoryStore, RedisStore, SettleOp, window_index
+from extproc.budgets.memory_store import MemoryStore
+from extproc.budgets.ops import OK, AdmitOp, QuotaCheck, RetryCheck, SettleOp, TaskCheck, TaskRef
+from extproc.budgets.redis_store import RedisStore
 
 T0 = 1_000_020.0
 
 
 def _random_op(rng: random.Random, now: float, n: int) -> AdmitOp:
-    op = AdmitOp(now, f"tok-{n}")
     tenant = rng.choice(["a", "b"])
-    op.markers = tuple(f"m:{tenant}:{k}:{rng.randrange(6)}" for k in rng.sample(["i", "r", "f"], rng.randrange(0, 3)))
-    op.inflight_ttl_s = 3600.0
-    op.retry_hint = rng.random() < 0.3
+    markers = tuple(f"m:{tenant}:{k}:{rng.randrange(6)}" for k in rng.sample(["i", "r", "f"], rng.randrange(0, 3)))
+    op = AdmitOp(now, f"tok-{n}", markers, inflight_ttl_s=3600.0, retry_hint=rng.random() < 0.3)
     if rng.random() < 0.9:
-        op.set_retry(f"rw:p:{rng.choice(['m1', 'm2'])}", f"rw:t:{tenant}", 0.2, 2, 10.0)
+        op.retry = RetryCheck(f"rw:p:{rng.choice(['m1', 'm2'])}", f"rw:t:{tenant}", 0.2, 2, 10.0)
     if rng.random() < 0.8:
         task = rng.randrange(4)
-        op.set_task(f"t:{tenant}:{task}", f"ta:{tenant}", str(task), rng.randrange(10, 200), 12, 1500,
-                    rng.choice([0.0, 40.0]), rng.choice([0, 2]), 7200.0)
+        op.task = TaskCheck(TaskRef(f"t:{tenant}:{task}", f"ta:{tenant}", str(task)), rng.randrange(10, 200), 12,
+                            1500, rng.choice([0.0, 40.0]), rng.choice([0, 2]), 7200.0)
     if rng.random() < 0.8:
-        op.set_quota(f"q:{tenant}", rng.randrange(10, 300), 900, 60.0)
+        op.quota = QuotaCheck(f"q:{tenant}", rng.randrange(10, 300), 900, 60.0)
     return op
 
 
 def _settle_for(op: AdmitOp, rng: random.Random, now: float) -> SettleOp:
-    s = SettleOp(now, op.token)
-    s.markers = op.markers
-    s.dedupe_ttl_s = 3600.0
     delta = rng.randrange(-150, 60)
-    if op.t_on:
-        s.t_on, s.t_key, s.t_active_key, s.t_member = True, op.t_key, op.t_active_key, op.t_member
-        s.t_delta, s.t_active_on, s.t_idle_s = delta, op.t_max_active > 0, 5.0
-    if op.q_on:
-        s.q_on, s.q_name, s.q_window_s, s.q_delta = True, op.q_name, 60.0, delta
-        s.q_idx = window_index(op.now, 60.0)[0]
-    return s
+    return SettleOp(now, op.charged(), dedupe_ttl_s=3600.0, task_delta=delta, quota_delta=delta, idle_s=5.0)
 
 
 @pytest.mark.asyncio

@@ -92,7 +92,7 @@ def test_tenant_counters_use_the_gateways_bounded_label() -> None:
     from extproc.budgets.tenants import TenantBudget
     from extproc.identity import Identity, TenantPolicy as IdentityPolicy
 
-    identity = Identity(IdentityPolicy.from_dict({"label_tenants": 1}))
+    identity = Identity(IdentityPolicy(label_tenants=1))
     budget = TenantBudget(TenantPolicy(), label=identity.label)
     sample = REGISTRY.get_sample_value
     named = sample("sluice_budget_tenant_tokens_total", {"tenant": "first-labelled"}) or 0

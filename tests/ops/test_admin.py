@@ -133,7 +133,7 @@ async def test_undrain_goes_through_the_health_tracker(admin: AdminEnv):
     pool = gw.pools["m"]
     policy = HealthPolicy(slow_start_steps=(0.1, 0.5, 1.0), slow_start_step_s=5.0)
     tracker = HealthTracker(pool, policy)
-    gw.health = {"m": tracker}  # type: ignore[attr-defined]
+    gw.fleet.health["m"] = tracker
     r = pool.replicas[1]
     r.engine.scraped_at = time.monotonic()
     tracker.tick(time.monotonic() - 100)  # long healthy: its step timer is old
@@ -308,7 +308,7 @@ def test_top_frame_marks_unreachable_sidecar():
 def test_admin_addresses_cover_every_worker():
     policy = policy_from_dict({**BASE, "sidecar": {"workers": 3, "grpc_port": 41000, "metrics_port": 42000,
                                                    "admin_port": 43000}})
-    assert admin_addresses(policy) == ["127.0.0.1:43000", "127.0.0.1:43001", "127.0.0.1:43002"]
+    assert admin_addresses(policy.sidecar) == ["127.0.0.1:43000", "127.0.0.1:43001", "127.0.0.1:43002"]
 
 
 def test_cli_functions_need_a_valid_explicit_policy(tmp_path, capsys):

@@ -178,9 +178,7 @@ def test_compose_policy_passes_envoy_validate():
 
 
 def test_redis_is_the_budget_store():
-    from extproc.budgets.policy import BudgetPolicy
-
-    store = BudgetPolicy.from_dict(compose_policy().budgets).store
+    store = compose_policy().budgets.store
     assert store.kind == "redis"
     host = re.match(r"redis://([^:/]+)", store.redis.url).group(1)
     assert host in SERVICES

@@ -1,5 +1,5 @@
 """Fuzzing the request path in-process (issue #10, part 1): the body parser, the token estimator, the
-request-header reader (`Gateway.read_head` on the headers Envoy sends, raw bytes), and the whole per-request state
+request-header reader (`read_head` on the headers Envoy sends, raw bytes), and the whole per-request state
 machine on top of them.
 
 The contract under test: no input crashes or hangs the sidecar; every rejection is `BadRequest` (or an
@@ -20,12 +20,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from extproc.admission.queue import Waiter
 from extproc.config import policy_from_dict
-from extproc.gateway import _HEADER_READERS, Gateway, Head, Stream
+from extproc.gateway import Gateway
+from extproc.head import HEADER_READERS, Head, read_head
 from extproc.request import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, ENDPOINTS, BadRequest, LLMRequest, parse_body
+from extproc.stream import State, Stream
 from extproc.tokens import HeuristicEstimator
 from extproc.xds import POOL_HEADER
+
+from ..transitions import only_legal_transitions
 
 pytestmark = pytest.mark.reliability
 
@@ -182,7 +185,7 @@ header_values = st.one_of(
 paths = st.one_of(st.sampled_from([b"/v1/chat/completions", b"/v1/completions", b"/v1/chat/completions?a=b",
                                    b"/v1/embeddings", b"/", b"", b"?", b"/v1/chat/completions?"]),
                   st.binary(max_size=50))
-header_names = st.one_of(st.sampled_from([*_HEADER_READERS, "x-request-id", ":method", ":authority",
+header_names = st.one_of(st.sampled_from([*HEADER_READERS, "x-request-id", ":method", ":authority",
                                           "content-type", "x-other"]),
                          st.text("abcdefghijklmnopqrstuvwxyz-:", min_size=1, max_size=20))
 
@@ -203,7 +206,7 @@ def headers_msg(headers: list[base_pb2.HeaderValue], end_of_stream: bool = False
 @FUZZ
 @given(headers=request_headers())
 def test_read_head_never_crashes_and_bounds_every_field(headers: list) -> None:
-    head = Gateway.read_head(headers)
+    head = read_head(headers)
     assert isinstance(head, Head)
     for name, limit in _LIMITS.items():
         value = getattr(head, name)
@@ -219,11 +222,11 @@ def test_read_head_reads_every_header_it_knows() -> None:
               "x-sluice-tenant": b"acme", "x-sluice-app": b"bot", "x-sluice-task-id": b"t-1",
               "x-sluice-task-depth": b"3", "x-sluice-priority": b"batch", "idempotency-key": b"k-1",
               "authorization": b"Bearer sk-1"}
-    assert set(values) == set(_HEADER_READERS)  # a new reader needs a line here
+    assert set(values) == set(HEADER_READERS)  # a new reader needs a line here
     headers = [base_pb2.HeaderValue(key=k, raw_value=v) for k, v in values.items()]
     headers += [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions?x=1"),
                 base_pb2.HeaderValue(key="x-request-id", raw_value=b"rid")]
-    head = Gateway.read_head(headers)
+    head = read_head(headers)
     assert (head.path, head.request_id, head.retry_count, head.task_depth) == ("/v1/chat/completions", "rid", 2, 3)
     assert (head.tenant, head.app, head.task_id, head.priority) == ("acme", "bot", "t-1", "batch")
     assert (head.idempotency_key, head.api_key, head.client_timeout_s) == ("k-1", "sk-1", 1.5)
@@ -268,15 +271,16 @@ def _assert_answer(resp: pb.ProcessingResponse) -> None:
         assert POOL_HEADER in headers
 
 
-async def _one_request(gw: Gateway, headers: list, body: bytes, held: list[Stream]) -> None:
-    st_ = Stream()
+async def _one_request(gw: Gateway, headers: list, body: bytes, held: list[Stream], streams: list[Stream]) -> None:
+    st_ = gw.open_stream()
+    streams.append(st_)
     try:
         first = gw.on_request_headers(st_, headers_msg(headers, end_of_stream=not body))
         if first.WhichOneof("response") == "immediate_response":
             _assert_answer(first)
             return
         answer = await gw.on_request_body(st_, pb.HttpBody(body=body, end_of_stream=True))
-        if isinstance(answer, Waiter):
+        if st_.held:
             answer = await gw.wait(st_)
         _assert_answer(answer)
         if answer.WhichOneof("response") == "request_body":
@@ -287,7 +291,8 @@ async def _one_request(gw: Gateway, headers: list, body: bytes, held: list[Strea
             gw.finish(st_)
 
 
-def _assert_released(gw: Gateway) -> None:
+def _assert_released(gw: Gateway, streams: list[Stream] = ()) -> None:
+    assert all(s.holds == 0 for s in streams), [s.holds for s in streams]
     for pool in gw.pools.values():
         for r in pool.replicas:
             assert (r.inflight_requests, r.inflight_tokens, r.inflight_prompt_tokens) == (0, 0, 0), r
@@ -295,7 +300,7 @@ def _assert_released(gw: Gateway) -> None:
         assert sched.queued_total() == 0
         assert sum(sched.lane_requests) == 0 and sum(sched.lane_tokens) == 0
     assert gw.identity.open_streams == {}
-    assert getattr(gw, "open_requests", 0) == 0 and not getattr(gw, "live", {})
+    assert gw.open_requests == 0 and not gw.inflight.live and not gw.inflight.detached
 
 
 @FUZZ
@@ -307,29 +312,32 @@ def test_gateway_state_machine_survives_any_request(requests: list) -> None:
     async def run() -> None:
         gw = Gateway(policy_from_dict(POLICY))
         held: list[Stream] = []
+        streams: list[Stream] = []
         # Fuzzed paths are mostly junk: send most requests to a real endpoint so bodies get parsed.
         for i, (headers, body) in enumerate(requests):
             if i % 4 != 3:
                 headers.append(base_pb2.HeaderValue(key=":path", raw_value=list(ENDPOINTS)[i % 2].encode()))
-        await asyncio.wait_for(asyncio.gather(*(_one_request(gw, h, b, held) for h, b in requests)), 5)
+        await asyncio.wait_for(asyncio.gather(*(_one_request(gw, h, b, held, streams) for h, b in requests)), 5)
         for st_ in held:
             gw.on_response_headers(st_, pb.HttpHeaders())
             gw.finish(st_)
-        _assert_released(gw)
+        _assert_released(gw, streams)
 
-    asyncio.run(run())
+    with only_legal_transitions():
+        asyncio.run(run())
 
 
 async def _held_request(gw: Gateway, headers: list, body: bytes, hold_s: float, leave_after_s: float | None,
-                        answers: list[str]) -> None:
+                        answers: list[str], streams: list[Stream]) -> None:
     """One client: forwarded requests run `hold_s`; a client with `leave_after_s` disconnects then (Envoy then
     cancels the ext_proc stream, which is what `task.cancel()` does here)."""
-    st_ = Stream()
+    st_ = gw.open_stream()
+    streams.append(st_)
 
     async def flow() -> None:
         gw.on_request_headers(st_, headers_msg(headers))
         answer = await gw.on_request_body(st_, pb.HttpBody(body=body, end_of_stream=True))
-        if isinstance(answer, Waiter):
+        if st_.held:
             answers.append("queued")
             answer = await gw.wait(st_)
         _assert_answer(answer)
@@ -367,15 +375,19 @@ def test_gateway_accounting_under_contention(requests: list) -> None:
     async def run() -> None:
         gw = Gateway(policy_from_dict(POLICY))
         answers: list[str] = []
+        streams: list[Stream] = []
         for i, (headers, *_rest) in enumerate(requests):
             headers.append(base_pb2.HeaderValue(key=":path", raw_value=list(ENDPOINTS)[i % 2].encode()))
-        await asyncio.wait_for(asyncio.gather(*(_held_request(gw, a, b, hold, leave, answers)
+        await asyncio.wait_for(asyncio.gather(*(_held_request(gw, a, b, hold, leave, answers, streams)
                                                 for a, b, hold, leave in requests)), 10)
         for outcome in set(answers):
             event(f"outcome: {outcome}")
-        _assert_released(gw)
+        _assert_released(gw, streams)
 
-    asyncio.run(run())
+    with only_legal_transitions() as seen:
+        asyncio.run(run())
+    for (a, b) in seen:
+        event(f"transition: {a.label} -> {b.label}")
 
 
 @pytest.mark.parametrize("header, value", [("x-sluice-deadline-ms", b"inf"), ("x-sluice-deadline-ms", b"1e309"),
@@ -421,8 +433,9 @@ def test_client_leaving_as_it_is_dispatched_keeps_gauges_exact() -> None:
         for st_ in (first, second):
             gw.on_request_headers(st_, headers_msg(path))
         assert (await gw.on_request_body(first, pb.HttpBody(body=body, end_of_stream=True))).HasField("request_body")
-        waiter = await gw.on_request_body(second, pb.HttpBody(body=body, end_of_stream=True))
-        assert isinstance(waiter, Waiter)
+        hold = await gw.on_request_body(second, pb.HttpBody(body=body, end_of_stream=True))
+        assert second.held and hold.HasField("override_message_timeout")
+        waiter = second.waiter
         held = asyncio.ensure_future(gw.wait(second))
         await asyncio.sleep(0)
         gw.finish(first)               # frees the slot: the queued request is dispatched (its future resolves) ...
@@ -430,8 +443,10 @@ def test_client_leaving_as_it_is_dispatched_keeps_gauges_exact() -> None:
         held.cancel()                  # ... and in the same instant its client leaves
         await asyncio.gather(held, return_exceptions=True)
         gw.finish(second)
-        _assert_released(gw)
+        _assert_released(gw, [first, second])
         assert _gauge("sluice_inflight_requests", "race-m", "10.8.0.1:8000") == 0
         assert _gauge("sluice_inflight_tokens", "race-m", "10.8.0.1:8000") == 0
 
-    asyncio.run(run())
+    with only_legal_transitions() as seen:
+        asyncio.run(run())
+    assert (State.HEADERS, State.QUEUED) in seen

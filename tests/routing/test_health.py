@@ -502,3 +502,15 @@ def test_single_replica_pool_relapse_falls_back_and_recovers_through_slow_start(
     tr.tick(13.0)
     assert a.state == RECOVERING and a.weight == 0.1   # not straight back to full traffic
     assert not tr.all_degraded
+
+
+def test_begin_slow_start_is_a_counted_transition_to_the_first_step():
+    """An operator's undrain (admin service) starts slow start through the tracker: state, weight, reason,
+    transition counter, and a step timer that starts now."""
+    pool, tracker = make()
+    a = pool.replicas[0]
+    tracker.begin_slow_start(a, "undrain", "operator undrain", now=50.0)
+    assert (a.state, a.weight, a.state_since) == (RECOVERING, 0.1, 50.0)
+    assert a.state_reason == "undrain: operator undrain"
+    assert transitions(pool, a, HEALTHY, RECOVERING, "undrain") == 1.0
+    assert state_gauge(pool, a, RECOVERING) == 1.0

@@ -1,34 +1,34 @@
-"""The `routing:` section: defaults, validation naming the field, score passthrough."""
+"""The `routing:` section: defaults, validation naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
-from extproc.routing.policy import HealthPolicy, RoutingPolicy
+from extproc.config import parse_section
+from extproc.routing.policy import HealthPolicy
+from extproc.schema import build
 
 
 def test_defaults():
-    p = RoutingPolicy.from_dict(None)
-    assert p == RoutingPolicy.from_dict({})
+    p = parse_section("routing", None)
+    assert p == parse_section("routing", {})
     assert p.scrape_interval_s == 0.2 and p.stale_after_s == pytest.approx(1.0) and p.window_s == 10.0
-    assert p.scrape_timeout_s == 1.0 and p.score == {}
+    assert p.scrape_timeout_s == 1.0
     h = p.health
     assert h.ttft_p95_degraded_s == 15.0 and h.slow_start_steps == (0.1, 0.3, 0.5, 1.0)
     assert h.degraded_weight == 0.25 and h.enabled is True
 
 
 def test_stale_after_follows_the_interval_unless_set():
-    assert RoutingPolicy.from_dict({"scrape_interval_s": 0.5}).stale_after_s == pytest.approx(2.5)
-    assert RoutingPolicy.from_dict({"scrape_interval_s": 0.5, "stale_after_s": 0.9}).stale_after_s == 0.9
+    assert parse_section("routing", {"scrape_interval_s": 0.5}).stale_after_s == pytest.approx(2.5)
+    assert parse_section("routing", {"scrape_interval_s": 0.5, "stale_after_s": 0.9}).stale_after_s == 0.9
 
 
-def test_nested_health_and_score_passthrough():
-    score = {"kv_weight": 2, "nested": {"x": [1, 2]}}
-    p = RoutingPolicy.from_dict({"health": {"ttft_p95_degraded_s": 2, "slow_start_steps": [0.2, 0.6],
-                                            "min_samples": 3}, "score": score})
+def test_nested_health():
+    p = parse_section("routing", {"health": {"ttft_p95_degraded_s": 2, "slow_start_steps": [0.2, 0.6],
+                                             "min_samples": 3}})
     assert p.health.ttft_p95_degraded_s == 2.0 and isinstance(p.health.ttft_p95_degraded_s, float)
     assert p.health.slow_start_steps == (0.2, 0.6) and p.health.min_samples == 3
-    assert p.score == score
 
 
 @pytest.mark.parametrize("d, field", [
@@ -39,7 +39,7 @@ def test_nested_health_and_score_passthrough():
     ({"scrape_timeout_s": -1}, "routing.scrape_timeout_s"),
     ({"stale_after_s": 0.1}, "routing.stale_after_s"),
     ({"window_s": 0.3}, "routing.window_s"),
-    ({"score": [1]}, "routing.score"),
+    ({"score": {}}, "routing.score: unknown field"),  # nothing read it: deleted
     ({"health": []}, "routing.health"),
     ({"health": {"bogus": 1}}, "routing.health.bogus"),
     ({"health": {"min_samples": 0}}, "routing.health.min_samples"),
@@ -57,17 +57,17 @@ def test_nested_health_and_score_passthrough():
 ])
 def test_invalid_values_name_the_field(d, field):
     with pytest.raises(ValueError) as exc:
-        RoutingPolicy.from_dict(d)
+        parse_section("routing", d)
     assert field in str(exc.value)
 
 
 def test_not_a_mapping():
-    with pytest.raises(ValueError, match="routing must be a mapping"):
-        RoutingPolicy.from_dict([1])
+    with pytest.raises(ValueError, match="routing: expected a mapping"):
+        parse_section("routing", [1])
 
 
 def test_health_policy_is_usable_alone():
-    h = HealthPolicy.from_dict({"probe_interval_s": 1})
+    h = build(HealthPolicy, {"probe_interval_s": 1}, "routing.health")
     assert h.probe_interval_s == 1.0
     with pytest.raises(ValueError, match="routing.health.probe_interval_s"):
-        HealthPolicy.from_dict({"probe_interval_s": 0})
+        build(HealthPolicy, {"probe_interval_s": 0}, "routing.health")

@@ -12,9 +12,8 @@ import uuid
 import aiohttp
 import pytest
 
-from extproc.config import PoolConfig
+from extproc.config import PoolConfig, parse_section
 from extproc.routing.health import HealthTracker
-from extproc.routing.policy import RoutingPolicy
 from extproc.routing.pool import DEGRADED, EJECTED, HEALTHY, RECOVERING, Pool
 from extproc.sim.server import SimConfig, SimServer
 
@@ -35,7 +34,7 @@ async def stack(n: int = 2):
     pool = Pool.from_config(PoolConfig(model=f"sim-{uuid.uuid4().hex[:6]}",
                                        replicas=[f"127.0.0.1:{s.port}" for s in sims]))
     from extproc.routing.scrape import Scraper
-    policy = RoutingPolicy.from_dict(POLICY)
+    policy = parse_section("routing", POLICY)
     scraper = Scraper([pool], policy)
     tracker = HealthTracker(pool, policy.health)
     scraper.listeners.append(tracker.on_scrape_round)

@@ -1,12 +1,13 @@
 """The policy file and the Envoy config rendered from it."""
 
+import dataclasses
 import shutil
 
 import pytest
 import yaml
 
 from extproc.cli import validate_with_envoy
-from extproc.config import PolicyError, default_policy_path, load_policy, policy_from_dict
+from extproc.config import Policy, PolicyError, default_policy_path, load_policy, policy_from_dict
 from extproc.xds import DESTINATION_KEY, EXTPROC_CLUSTER, LB_NAMESPACE, render
 
 BASE = {"pools": [{"model": "m", "replicas": ["127.0.0.1:8101", "127.0.0.1:8102"]}]}
@@ -25,7 +26,8 @@ def test_default_policy_loads():
     ({**BASE, "gateway": {"port": 70000}}, "outside"),
     ({**BASE, "gateway": {"prot": 1}}, "unknown field"),
     ({**BASE, "bogus": {}}, "unknown section"),
-    ({**BASE, "gateway": {"port": "80"}}, "expected a number"),
+    ({**BASE, "gateway": {"port": "80"}}, "gateway.port: expected an integer"),
+    ({**BASE, "gateway": {"retry_budget_percent": "x"}}, "gateway.retry_budget_percent: expected a number"),
     ({**BASE, "sidecar": {"failure_mode_allow": "yes"}}, "true/false"),
     ({**BASE, "gateway": {"port": 9100}}, "both use port"),
     ({"pools": BASE["pools"] * 2}, "listed twice"),
@@ -34,6 +36,44 @@ def test_invalid_policies_name_the_problem(data, words):
     with pytest.raises(PolicyError) as exc:
         policy_from_dict(data)
     assert words in str(exc.value)
+
+
+SECTIONS = ("gateway", "sidecar", "limits", "simulator", "pools", "admission", "routing", "budgets", "tenants",
+            "streaming")
+
+
+def _with_typo(section: str) -> tuple[dict, str]:
+    """BASE with an unknown field in `section`, and the path `sluice check` must name."""
+    if section == "pools":
+        return {"pools": [{**BASE["pools"][0], "no_such_knob": 1}]}, "pools[0].no_such_knob"
+    return {**BASE, section: {"no_such_knob": 1}}, f"{section}.no_such_knob"
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_sluice_check_names_an_unknown_field_in_every_section(section, tmp_path, capsys):
+    from extproc.cli import main
+
+    assert sorted(SECTIONS) == sorted(f.name for f in dataclasses.fields(Policy) if f.name != "source")
+    data, path = _with_typo(section)
+    policy_file = tmp_path / "sluice.yaml"
+    policy_file.write_text(yaml.safe_dump(data))
+    assert main(["check", "--config", str(policy_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: unknown field" in err, err
+
+
+@pytest.mark.parametrize("data, path", [
+    ({"admission": {"lanes": [{"name": "a", "max_prompt_tokens": 10},
+                              {"name": "b", "max_prompt_tokens": 20, "max_tokens2": 1}]}}, "admission.lanes[1].max_tokens2"),
+    ({"routing": {"health": {"min_sample": 1}}}, "routing.health.min_sample"),
+    ({"budgets": {"store": {"redis": {"uri": "redis://x"}}}}, "budgets.store.redis.uri"),
+    ({"streaming": {"slow_consumer": {"grace": 1}}}, "streaming.slow_consumer.grace"),
+    ({"routing": {"score": {}}}, "routing.score"),
+])
+def test_nested_unknown_fields_are_named_by_their_full_path(data, path):
+    with pytest.raises(PolicyError) as exc:
+        policy_from_dict({**BASE, **data})
+    assert str(exc.value).startswith(f"{path}: unknown field"), exc.value
 
 
 def test_load_policy_reports_yaml_errors(tmp_path):

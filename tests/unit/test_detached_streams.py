@@ -17,7 +17,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.config import policy_from_dict
-from extproc.gateway import Gateway, Stream
+from extproc.gateway import Gateway
+from extproc.stream import State, Stream
 
 REPLICA = "10.9.0.1:8000"
 
@@ -64,7 +65,8 @@ def test_forwarded_request_is_released_by_its_access_log_end() -> None:
     async def run() -> None:
         gw, receiver = _gateway()
         st = await _forward(gw, "req-1")
-        assert st.detached_at > 0 and gw.detached == {"req-1": st}
+        assert st.state is State.DETACHED and st.ended
+        assert st.detached_at > 0 and gw.inflight.detached == {"req-1": st}
         assert _inflight(gw) == (1, 1)           # still counted while the response streams
         progress = al.HTTPAccessLogEntry()       # a periodic (intermediate) entry does not end it
         progress.request.request_id = "req-1"
@@ -74,7 +76,8 @@ def test_forwarded_request_is_released_by_its_access_log_end() -> None:
         _end(receiver, "other-request")          # someone else's end does not either
         assert _inflight(gw) == (1, 1)
         _end(receiver, "req-1")
-        assert _inflight(gw) == (0, 0) and gw.detached == {}
+        assert _inflight(gw) == (0, 0) and gw.inflight.detached == {} and st.holds == 0
+        gw.close(st)                             # its ext_proc stream closing (before or after) releases nothing
         _end(receiver, "req-1")                  # a duplicate end is harmless
         assert _inflight(gw) == (0, 0)
 
@@ -97,11 +100,11 @@ def test_streams_stay_attached_without_access_log_or_when_the_sidecar_needs_them
     async def run() -> None:
         gw, _ = _gateway(access_log=False)       # no other way to learn the end: the stream's close releases
         st = await _forward(gw, "req-2")
-        assert st.detached_at == 0 and gw.detached == {}
+        assert st.state is State.FORWARDED and st.detached_at == 0 and gw.inflight.detached == {}
         gw.finish(st)
         gw, _ = _gateway({"streaming": {"slow_consumer": {"min_bytes_per_s": 1000}}})
         st = await _forward(gw, "req-3")         # a slow consumer is cut through its open ext_proc stream
-        assert st.detached_at == 0 and gw.detached == {}
+        assert st.detached_at == 0 and gw.inflight.detached == {}
         gw.finish(st)
 
     asyncio.run(run())
@@ -127,8 +130,8 @@ def test_sweep_releases_requests_whose_end_was_lost() -> None:
         old = await _forward(gw, "lost")
         young = await _forward(gw, "young")
         old.detached_at = time.monotonic() - 100.0
-        assert gw.sweep_detached(max_age_s=50.0) == 1
-        assert list(gw.detached) == ["young"] and young.detached_at > 0
+        assert gw.inflight.sweep(max_age_s=50.0) == 1
+        assert list(gw.inflight.detached) == ["young"] and young.detached_at > 0
         assert _inflight(gw) == (1, 1)
 
     asyncio.run(run())

@@ -2,6 +2,7 @@
 
 import pytest
 
+from extproc.config import parse_section
 from extproc.identity import Identity, TenantPolicy, UnknownKey
 
 
@@ -54,7 +55,7 @@ def test_labels_are_bounded():
 
 
 def test_policy_validation():
-    with pytest.raises(ValueError):
-        TenantPolicy.from_dict({"bogus": 1})
-    with pytest.raises(ValueError):
-        TenantPolicy.from_dict({"max_streams_per_tenant": -1})
+    with pytest.raises(ValueError, match="tenants.bogus: unknown field"):
+        parse_section("tenants", {"bogus": 1})
+    with pytest.raises(ValueError, match="tenants.max_streams_per_tenant"):
+        parse_section("tenants", {"max_streams_per_tenant": -1})

@@ -10,7 +10,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.admission.output_length import MIN_SAMPLES
 from extproc.config import policy_from_dict
-from extproc.gateway import Gateway, Stream
+from extproc.gateway import Gateway
+from extproc.stream import Stream
 
 REPLICA = "10.9.0.2:8000"
 

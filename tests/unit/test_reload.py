@@ -8,6 +8,7 @@ from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement
 from extproc.config import PolicyError, policy_from_dict
 from extproc.gateway import Gateway
+from extproc.reload import apply_policy
 from extproc.request import LLMRequest
 
 BASE = {"pools": [{"model": "m", "replicas": ["10.0.0.1:8000", "10.0.0.2:8000"]}],
@@ -27,7 +28,7 @@ async def test_reload_keeps_replica_state_and_requeues_waiters():
     waiting = sched.submit(req(), 0.0)
     assert isinstance(waiting, Waiter)
     kept = gw.pools["m"].replicas[0]
-    changes = gw.apply_policy(policy_from_dict({
+    changes = apply_policy(gw, policy_from_dict({
         **BASE, "pools": [{"model": "m", "replicas": ["10.0.0.1:8000", "10.0.0.3:8000"]}]}))
     assert any("10.0.0.3:8000" in c for c in changes)
     assert gw.pools["m"].replicas[0] is kept and kept.inflight_requests == 1
@@ -43,7 +44,7 @@ async def test_invalid_reload_changes_nothing():
     gw = Gateway(policy_from_dict(BASE))
     before = gw.admission
     with pytest.raises(ValueError):
-        gw.apply_policy(policy_from_dict({**BASE, "admission": {"kv_margin": 3}}))
+        apply_policy(gw, policy_from_dict({**BASE, "admission": {"kv_margin": 3}}))
     assert gw.admission is before
     with pytest.raises(PolicyError):
         policy_from_dict({"pools": [{"model": "m", "replicas": ["bad"]}]})
@@ -54,6 +55,6 @@ async def test_removed_pool_sheds_its_waiters():
     s = gw.schedulers["m"]
     s.submit(req(), 0.0), s.submit(req(), 0.0)
     w = s.submit(req(), 0.0)
-    gw.apply_policy(policy_from_dict({**BASE, "pools": [{"model": "n", "replicas": ["10.0.1.1:1"]}]}))
+    apply_policy(gw, policy_from_dict({**BASE, "pools": [{"model": "n", "replicas": ["10.0.1.1:1"]}]}))
     assert w.future.done() and w.future.exception().status == 503
     await asyncio.sleep(0)

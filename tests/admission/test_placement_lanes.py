@@ -1,31 +1,16 @@
 """Placement of a confined lane (long prompts): its share of replicas counts prefills, not requests held (P3, P7)."""
 
-from extproc.admission.policy import admission_policy_from_dict
-from extproc.config import PoolConfig
+from extproc.admission.placement import LANE
 from extproc.request import LLMRequest
-from extproc.routing.placement import LANE, Placer
-from extproc.routing.pool import Pool, Replica
 
-RATE = 10_000.0  # prompt tokens/s: a 10,000-token prompt prefills in 1 s
+from .placing import place, placer
+
 LONG, SHORT = 2, 0  # lane indices of the default lanes (short <= 1,024 < normal <= 8,192 < long, share 0.5)
-
-
-def placer(n: int = 4) -> Placer:
-    pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    policy = admission_policy_from_dict({"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE}, 5.0)
-    return Placer(pool, policy)
 
 
 def req(prompt: int, out: int = 16) -> LLMRequest:
     return LLMRequest(request_id="", endpoint="chat", model="m", stream=True, prompt_tokens=prompt,
                       max_output_tokens=out)
-
-
-def place(p: Placer, r: LLMRequest, lane: int, now: float) -> Replica:
-    pins = p.choose(r, lane, now)
-    assert pins is not None
-    p.commit(pins[0], r, lane, now)
-    return pins[0]
 
 
 def test_a_long_prompt_waits_rather_than_stack_behind_a_long_prefill():

@@ -1,22 +1,19 @@
 """The tenant share of prefill (P1f): the dominant tenant may prefill on only part of the pool while another
 tenant is active, so a quiet tenant's prompt finds a replica free of the flood's prefill."""
 
-from extproc.admission.policy import admission_policy_from_dict
-from extproc.config import PoolConfig
+from extproc.admission.placement import Placer
+from extproc.config import parse_section
 from extproc.request import LLMRequest
-from extproc.routing.placement import Placer
-from extproc.routing.pool import Pool, Replica
+from extproc.routing.pool import Replica
 
-RATE = 10_000.0  # prompt tokens/s: a 2,000-token prompt prefills in 0.2 s
-NORMAL = 1  # lane of 2,000-token prompts in the default lanes
+from . import placing
+
+NORMAL = 1  # lane of 2,000-token prompts in the default lanes (a 2,000-token prompt prefills in 0.2 s)
 
 
-def placer(n: int = 4, **admission) -> Placer:
+def placer(n: int = 4, **admission: object) -> Placer:
     """A placer with the tenant share on at 0.5 (the default, 1.0, is off; see test_share_is_off_by_default)."""
-    pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    policy = admission_policy_from_dict({"kv_capacity_tokens": 100_000, "prefill_tokens_per_s": RATE,
-                                         "tenant_prefill_share": 0.5, **admission}, 5.0)
-    return Placer(pool, policy)
+    return placing.placer(n, **{"tenant_prefill_share": 0.5, **admission})
 
 
 def req(tenant: str, prompt: int = 2_000) -> LLMRequest:
@@ -27,10 +24,7 @@ def req(tenant: str, prompt: int = 2_000) -> LLMRequest:
 def place(p: Placer, r: LLMRequest, now: float) -> Replica:
     p.note_tenant(r.tenant, now)
     assert not p.tenant_full(r.tenant, now)
-    pins = p.choose(r, NORMAL, now)
-    assert pins is not None
-    p.commit(pins[0], r, NORMAL, now)
-    return pins[0]
+    return placing.place(p, r, NORMAL, now)
 
 
 def test_a_tenant_alone_is_never_limited():
@@ -97,4 +91,4 @@ def test_a_tenant_that_spread_before_it_dominated_waits_until_it_is_back_within_
 
 def test_share_is_off_by_default() -> None:
     """Holding a dominant tenant costs its throughput (P1f), so it is opt-in."""
-    assert admission_policy_from_dict({}, 5.0).tenant_prefill_share == 1.0
+    assert parse_section("admission", {}).tenant_prefill_share == 1.0

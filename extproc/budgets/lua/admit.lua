@@ -1,0 +1,108 @@
+-- The combined check-and-charge of one request (extproc/budgets/redis_store.py encodes the call; the same
+-- algorithm in Python: memory_store.py). Every check passes, then everything is charged; or nothing is.
+-- KEYS: markers[1..nm]; retry (8): pool a cur/prev, pool r cur/prev, tenant a cur/prev, tenant r cur/prev;
+--       task (2): hash, active zset; quota (2): cur, prev
+-- ARGV[1]: space-separated numbers (one string: packing 25 separate arguments costs the client more than the
+--   server spends splitting): 1 now, 2 nm, 3 inflight_ttl_ms, 4 retry_hint, 5 r_on, 6 share, 7 floor, 8 r_frac,
+--   9 r_ttl_ms, 10 t_on, 11 cost, 12 max_calls, 13 max_tokens, 14 max_wall_s, 15 max_active, 16 ttl_ms,
+--   17 active_score (now + inflight_ttl), 18 q_on, 19 q_cost, 20 q_limit, 21 q_frac, 22 q_ttl_ms
+-- ARGV[2]: charge token; ARGV[3]: task member
+local a = {}
+for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
+local now = tonumber(a[1])
+local nm = tonumber(a[2])
+local is_retry = tonumber(a[4])
+local r_on = a[5] == '1'
+local t_on = a[10] == '1'
+local q_on = a[18] == '1'
+for i = 1, nm do
+  local v = redis.call('GET', KEYS[i])
+  if v then
+    if v ~= '0' then return {1, 1, KEYS[i]} end
+    is_retry = 1
+  end
+end
+local k = nm
+local rk = k
+if r_on then
+  k = k + 8
+  if is_retry == 1 then
+    local share = tonumber(a[6])
+    local floor_ = tonumber(a[7])
+    local keep = 1 - tonumber(a[8])
+    local scopes = {'pool', 'tenant'}
+    for j = 0, 1 do
+      local b = rk + j * 4
+      local adm = tonumber(redis.call('GET', KEYS[b + 1]) or '0')
+                  + tonumber(redis.call('GET', KEYS[b + 2]) or '0') * keep
+      local ret = tonumber(redis.call('GET', KEYS[b + 3]) or '0')
+                  + tonumber(redis.call('GET', KEYS[b + 4]) or '0') * keep
+      local allowed = math.max(floor_, share * (adm + 1))
+      if ret + 1 > allowed then return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed)} end
+    end
+  end
+end
+local tk = k
+local new_task = false
+if t_on then
+  k = k + 2
+  local h = redis.call('HMGET', KEYS[tk + 1], 'calls', 'tokens', 'first')
+  local calls = tonumber(h[1] or '0')
+  local tokens = tonumber(h[2] or '0')
+  local first = tonumber(h[3] or a[1])
+  new_task = h[1] == false
+  local lim = tonumber(a[12])
+  if lim > 0 and calls + 1 > lim then return {3, is_retry, 'max_calls', tostring(calls), tostring(lim)} end
+  lim = tonumber(a[13])
+  if lim > 0 and tokens + tonumber(a[11]) > lim then
+    return {3, is_retry, 'max_tokens', tostring(tokens), tostring(lim)}
+  end
+  lim = tonumber(a[14])
+  if lim > 0 and now - first > lim then return {3, is_retry, 'max_wall_s', tostring(now - first), tostring(lim)} end
+  lim = tonumber(a[15])
+  if lim > 0 then
+    local sc = redis.call('ZSCORE', KEYS[tk + 2], ARGV[3])
+    if (not sc) or tonumber(sc) <= now then
+      redis.call('ZREMRANGEBYSCORE', KEYS[tk + 2], '-inf', a[1])  -- expired members only: charges nothing
+      local count = redis.call('ZCARD', KEYS[tk + 2])
+      if count >= lim then return {3, is_retry, 'max_active_tasks', tostring(count), tostring(lim)} end
+    end
+  end
+end
+local qk = k
+if q_on then
+  local cur = tonumber(redis.call('GET', KEYS[qk + 1]) or '0')
+  local prev = tonumber(redis.call('GET', KEYS[qk + 2]) or '0')
+  local used = cur + prev * (1 - tonumber(a[21]))
+  if used + tonumber(a[19]) > tonumber(a[20]) then
+    return {4, is_retry, '', tostring(used), a[20], tostring(cur), tostring(prev)}
+  end
+end
+-- every check passed: charge everything
+for i = 1, nm do redis.call('SET', KEYS[i], ARGV[2], 'PX', a[3]) end
+if r_on then
+  local ttl = a[9]
+  redis.call('INCR', KEYS[rk + 1]); redis.call('PEXPIRE', KEYS[rk + 1], ttl)
+  redis.call('INCR', KEYS[rk + 5]); redis.call('PEXPIRE', KEYS[rk + 5], ttl)
+  if is_retry == 1 then
+    redis.call('INCR', KEYS[rk + 3]); redis.call('PEXPIRE', KEYS[rk + 3], ttl)
+    redis.call('INCR', KEYS[rk + 7]); redis.call('PEXPIRE', KEYS[rk + 7], ttl)
+  end
+end
+if t_on then
+  local h = KEYS[tk + 1]
+  redis.call('HINCRBY', h, 'calls', 1)
+  redis.call('HINCRBY', h, 'tokens', a[11])
+  redis.call('HINCRBY', h, 'inflight', 1)
+  if new_task then redis.call('HSET', h, 'first', a[1]) end
+  redis.call('PEXPIRE', h, a[16])
+  if tonumber(a[15]) > 0 then
+    redis.call('ZADD', KEYS[tk + 2], a[17], ARGV[3])
+    redis.call('PEXPIRE', KEYS[tk + 2], a[16])
+  end
+end
+if q_on then
+  redis.call('INCRBY', KEYS[qk + 1], a[19])
+  redis.call('PEXPIRE', KEYS[qk + 1], a[22])
+end
+return {0, is_retry}

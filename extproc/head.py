@@ -1,0 +1,136 @@
+"""What the request headers say: the few headers the sidecar reads, each by one small reader, kept as a `Head`
+until the body arrives; and the client-sent headers it strips from every forwarded request.
+
+Header values arrive as raw bytes and are decoded as latin-1 (which never fails): a client's stray non-UTF-8 byte
+must not break the ext_proc message or the request's governance. Every text field is cut to a bounded length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from envoy.config.core.v3 import base_pb2
+
+from extproc.request import LLMRequest
+from extproc.xds import DESTINATION_KEY
+
+MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
+
+# Client-sent headers that would let a client decide what only the gateway may decide: removed from every
+# forwarded request (removing an absent header is free; one constant list, no per-request work). The pool
+# header is not listed: the sidecar always overwrites it.
+STRIPPED_HEADERS = [DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
+                    "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on",
+                    "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes", "x-envoy-retriable-header-names",
+                    "x-envoy-hedge-on-per-try-timeout", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
+                    "x-envoy-upstream-stream-duration-ms"]
+
+
+@dataclass(slots=True)
+class Head:
+    """What the request headers said, kept until the body arrives."""
+
+    method: str = ""
+    path: str = ""
+    content_length: int = -1
+    tenant: str = "default"
+    app: str = "default"
+    task_id: str | None = None
+    task_depth: int = 0
+    priority: str = "interactive"
+    retry_count: int = 0
+    idempotency_key: str | None = None
+    request_id: str = ""
+    client_timeout_s: float | None = None
+    api_key: str | None = None  # never logged; mapped to a tenant by identity
+
+    def identify(self, req: LLMRequest, arrival: float) -> None:
+        """Copy who sent the request, and under which limits, onto the parsed body."""
+        req.tenant = self.tenant
+        req.app = self.app
+        req.task_id = self.task_id
+        req.task_depth = self.task_depth
+        req.priority = self.priority
+        req.retry_count = self.retry_count
+        req.idempotency_key = self.idempotency_key
+        req.request_id = self.request_id
+        req.client_timeout_s = self.client_timeout_s
+        req.arrival = arrival
+
+
+def _float(raw: str) -> float | None:
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return min(value, MAX_DEADLINE_S * 1000)
+
+
+def to_int(raw: str, default: int = 0) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        return default
+
+
+def _set_timeout(head: Head, text: str) -> None:
+    head.client_timeout_s = _float(text)
+
+
+def _set_deadline_ms(head: Head, text: str) -> None:
+    ms = _float(text)
+    if ms is not None:
+        head.client_timeout_s = ms / 1000.0
+
+
+def _set_retry_count(head: Head, text: str) -> None:
+    head.retry_count = to_int(text)
+
+
+def _set_task_depth(head: Head, text: str) -> None:
+    head.task_depth = to_int(text)
+
+
+def _setter(name: str, limit: int) -> Callable[[Head, str], None]:
+    def set_field(head: Head, text: str) -> None:
+        setattr(head, name, text[:limit])
+    return set_field
+
+
+def _set_authorization(head: Head, text: str) -> None:
+    head.api_key = text[7:] if text[:7].lower() == "bearer " else text
+
+
+# One reader per header the sidecar reads; the key is the header name.
+HEADER_READERS: dict[str, Callable[[Head, str], None]] = {
+    "x-stainless-retry-count": _set_retry_count,
+    "x-stainless-read-timeout": _set_timeout,
+    "x-sluice-deadline-ms": _set_deadline_ms,
+    "x-sluice-tenant": _setter("tenant", 64),
+    "x-sluice-app": _setter("app", 64),
+    "x-sluice-task-id": _setter("task_id", 128),
+    "x-sluice-task-depth": _set_task_depth,
+    "x-sluice-priority": _setter("priority", 16),
+    "idempotency-key": _setter("idempotency_key", 128),
+    "authorization": _set_authorization,
+}
+
+
+def read_head(headers: Iterable[base_pb2.HeaderValue]) -> Head:
+    """The few headers the sidecar reads, from their raw bytes."""
+    head = Head()
+    for h in headers:
+        key = h.key
+        if key == ":path":
+            head.path = h.raw_value.decode("latin-1").split("?", 1)[0]
+        elif key == "x-request-id":
+            head.request_id = h.raw_value.decode("latin-1")
+        else:
+            reader = HEADER_READERS.get(key)
+            if reader is not None:
+                reader(head, h.raw_value.decode("latin-1"))
+    return head
