@@ -4,7 +4,9 @@ and each package with a policy of its own in its own module, imported at the end
 
     extproc/admission/metrics.py   sluice_queue_*, sluice_admitted_total, sluice_shed_total, sluice_lane_*, ...
     extproc/budgets/metrics.py     sluice_budget_*, sluice_prompt_cost_*, sluice_prompt_shift_*, ...
-    extproc/routing/metrics.py     sluice_replica_* (scraped state, health), sluice_scrape_*, sluice_pool_*
+    extproc/routing/metrics.py     sluice_replica_* (scraped state, health), sluice_scrape_*, sluice_pool_*,
+                                   sluice_shared_load_*
+    extproc/discovery/metrics.py   sluice_discovery_* (replicas by name: lookups, endpoints, changes)
 
 No other module defines a metric (tests/ops/test_metrics_doc.py checks that, and that docs/operations.md lists
 exactly these). The simulator (extproc/sim/metrics.py) is another process with vLLM's own names.
@@ -89,3 +91,4 @@ MAX_DOWNSTREAM_CONNECTIONS = Gauge(
 from extproc.admission import metrics as admission  # noqa: E402,F401
 from extproc.budgets import metrics as budgets  # noqa: E402,F401
 from extproc.routing import metrics as routing  # noqa: E402,F401
+from extproc.discovery import metrics as discovery  # noqa: E402,F401

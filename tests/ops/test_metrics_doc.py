@@ -1,4 +1,4 @@
-"""Every sluice_* metric is defined in one of the four metrics modules, and docs/operations.md lists exactly the
+"""Every sluice_* metric is defined in one of the five metrics modules, and docs/operations.md lists exactly the
 metrics they define (no documented name that does not exist, no metric left undocumented)."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import extproc.metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS_MODULES = {"extproc/metrics.py", "extproc/admission/metrics.py", "extproc/budgets/metrics.py",
-                   "extproc/routing/metrics.py"}
+                   "extproc/routing/metrics.py", "extproc/discovery/metrics.py"}
 
 
 def defined() -> set[str]:
     """The names a user queries: counters with their `_total`, the rest as registered."""
-    modules = [extproc.metrics, extproc.metrics.admission, extproc.metrics.budgets, extproc.metrics.routing]
+    modules = [extproc.metrics, extproc.metrics.admission, extproc.metrics.budgets, extproc.metrics.routing,
+               extproc.metrics.discovery]
     names = set()
     for mod in modules:
         for value in vars(mod).values():
