@@ -99,7 +99,7 @@ class Preset:
 
 # tiny-cpu: fitted by `python -m bench.vllm_cpu calibrate` (sluice sim calibrate --against) to a real
 # vLLM 0.32.0 CPU engine on this project's machine kind (AMD EPYC, 2 cores), 2026-12-02,
-# sluice commit 7427dec; the measurement, with every sample, the command and the rows, is
+# sluice commit d84ce9b; the measurement, with every sample, the command and the rows, is
 # bench/results/calibration-vllm-cpu.json, and tests/sim/test_sim_calibration.py keeps these constants equal
 # to the fit stored there. The engine: the tiny random Llama of bench/vllm_cpu.py (hidden 128, 4 layers),
 # --dtype float32, --max-num-seqs 64, --max-num-batched-tokens 2048 (default), --enforce-eager, one core
@@ -108,17 +108,17 @@ TINY_CPU = Preset(
     name="tiny-cpu",
     description="tiny random Llama on vLLM 0.32.0's CPU backend, one core, fitted to a measurement",
     cost=CostModel(
-        base=0.003922,
-        prefill_tok=2.036e-05,
-        decode_seq=4.914e-09,
-        attn_pair=1.132e-07,
-        kv_read_tok=1.171e-06,
-        frontend=0.007999,
-        attn_ctx_pair=7.967e-08,
-        frontend_tok=1.454e-06,
-        abort=0.02338,
-        metrics_base=0.01954,
-        metrics_per_seq=0.0001633,
+        base=0.003747,
+        prefill_tok=2.767e-05,
+        decode_seq=0.0002449,
+        attn_pair=1.04e-07,
+        kv_read_tok=1.274e-12,
+        frontend=0.006093,
+        attn_ctx_pair=7.385e-08,
+        frontend_tok=1.554e-06,
+        abort=0.02223,
+        metrics_base=0.01924,
+        metrics_per_seq=0.0002682,
     ),
     num_gpu_blocks=512,
     block_size=128,
@@ -129,7 +129,7 @@ TINY_CPU = Preset(
     max_model_len=32768,
     mean_output_tokens=200.0,
     measurement="calibration-vllm-cpu.json",
-    metrics_contended=(0.033559, 0.049361, 0.057486, 0.063524, 0.085414, 0.094636, 0.097497, 0.106204, 0.147595, 1.491086, 3.959352),
+    metrics_contended=(0.031971, 0.042288, 0.049635, 0.057783, 0.065298, 0.074217, 0.078175, 0.129985, 0.1572, 0.564163, 3.200092),
 )
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from bench.vllm_cpu import (SERVED_MODEL, DutyCycle, Engine, EngineSpec, installed, missing_message, start_engines,
                             stop_engines)
+from extproc.admin.client import AdminClient, to_dict
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -70,12 +71,16 @@ def engine_metrics(e: Engine) -> dict[str, float]:
 
 
 def replica_status(s: Stack) -> dict:
-    """The sidecar's view of the one replica, through `sluice status --json` (the admin API)."""
+    """The sidecar's view of the one replica, from its admin API (what `sluice status --json` prints)."""
+    with AdminClient(f"127.0.0.1:{s.policy.sidecar.admin_port}", 5.0) as c:
+        return to_dict(c.status())["pools"][0]["replicas"][0]
+
+
+def cli_status(s: Stack) -> dict:
     addr = f"127.0.0.1:{s.policy.sidecar.admin_port}"
     out = subprocess.run([sys.executable, "-m", "extproc.cli", "status", "--json", "--admin", addr],
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    pool = json.loads(out)["sidecars"][0]["status"]["pools"][0]
-    return pool["replicas"][0]
+    return json.loads(out)["sidecars"][0]["status"]["pools"][0]["replicas"][0]
 
 
 def wait_until(pred, timeout: float, interval: float = 0.1):  # type: ignore[no-untyped-def]
@@ -113,19 +118,18 @@ def test_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> None
 def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
     """Capacity from vllm:cache_config_info; running, waiting and KV usage while the engine is full; TTFT."""
     s, e = stack
-    blocks_x_size = engine_metrics(e)  # the engine's own numbers, to compare with the sidecar's
-    st = wait_until(lambda: (lambda r: r if r["scrape_age_s"] >= 0 else None)(replica_status(s)), 10)
+    assert wait_until(lambda: replica_status(s)["scrape_age_s"] >= 0, 10), "the sidecar never scraped the engine"
+    st = cli_status(s)
     assert st["state"] == "healthy"
     with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
         info = [ln for ln in r.read().decode().splitlines() if ln.startswith("vllm:cache_config_info")][0]
     blocks = int(info.split('num_gpu_blocks="')[1].split('"')[0])
     size = int(info.split('block_size="')[1].split('"')[0])
     assert st["kv_capacity_tokens"] == blocks * size > 0
-    assert blocks_x_size.get("vllm:num_requests_running", 0) == 0
 
     # Four long streams straight to the engine: two run, two wait in vLLM's own queue.
     def stream() -> None:
-        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 1200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", e.url + "/v1/completions", json=body, timeout=120) as r:
             for _ in r.iter_lines():
                 pass
@@ -136,10 +140,16 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
     busy = wait_until(lambda: (lambda r: r if r["running"] == MAX_NUM_SEQS and r["waiting"] == MAX_NUM_SEQS
                                            and r["kv_usage"] > 0 else None)(replica_status(s)), 30)
     assert busy, f"sidecar never saw {MAX_NUM_SEQS} running + {MAX_NUM_SEQS} waiting: {replica_status(s)}"
-    ttft = wait_until(lambda: replica_status(s)["ttft_p95_s"] > 0, 30)
-    assert ttft, "sidecar saw no TTFT from vllm:time_to_first_token_seconds"
     for t in threads:
         t.join(120)
+
+    def ttft_seen() -> bool:  # keep first tokens coming, so every scrape window has TTFT observations
+        body = {"model": SERVED_MODEL, "prompt": "y", "max_tokens": 1}
+        httpx.post(e.url + "/v1/completions", json=body, timeout=60)
+        return replica_status(s)["ttft_p95_s"] > 0
+
+    assert wait_until(ttft_seen, 30), "sidecar saw no TTFT from vllm:time_to_first_token_seconds"
+
     idle = wait_until(lambda: (lambda r: r if r["running"] == 0 and r["waiting"] == 0 else None)(replica_status(s)), 30)
     assert idle and idle["state"] == "healthy"
 
@@ -160,12 +170,14 @@ def test_client_disconnect_aborts_the_engine_request(stack: tuple[Stack, Engine]
         closed = time.monotonic()
     assert wait_until(lambda: engine_metrics(e)["vllm:num_requests_running"] == 0, 5, 0.02), \
         "the engine still runs the request 5 s after the client left"
-    stopped_after = time.monotonic() - closed
+    assert time.monotonic() - closed < 5.0
+    time.sleep(1.5)  # vLLM refreshes its token counter in lumps
     settled = engine_metrics(e)["vllm:generation_tokens_total"]
     time.sleep(1.0)
     assert engine_metrics(e)["vllm:generation_tokens_total"] == settled, "generation went on after the abort"
-    # At ~200 tokens/s a request left running would have made hundreds of tokens; an abort makes a few.
-    assert settled - before < 4000 and stopped_after < 2.0
+    # Left running, the request would have gone on at ~200 tokens/s; aborted, it made what the client read
+    # plus what was in flight.
+    assert settled - before <= got + 100
 
 
 def _states(pids: list[int]) -> set[str]:

@@ -25,7 +25,7 @@ def test_idle_ttft_and_decode_follow_the_cost_model() -> None:
     r = Request("a", 100, 10)
     e = make()
     run_offline(e, [(0.0, r)])
-    expected = COST.frontend + COST.step_seconds(100, 1, 100 * 50.5, 0)
+    expected = COST.frontend + COST.frontend_tok * 100 + COST.step_seconds(100, 1, 100 * 50.5, 0)
     assert ttft(r) == pytest.approx(expected, rel=1e-9)
     assert r.finish_reason == "length" and r.num_output == 10
     # nine decode steps after the first token, each reading its context once
@@ -245,7 +245,7 @@ def test_slow_factor_stretches_steps() -> None:
     e.slow_factor = 5.0
     r = Request("a", 100, 1)
     run_offline(e, [(0.0, r)])
-    assert ttft(r) == pytest.approx(COST.frontend + 5 * COST.step_seconds(100, 1, 100 * 50.5, 0))
+    assert ttft(r) == pytest.approx(COST.frontend + COST.frontend_tok * 100 + 5 * COST.step_seconds(100, 1, 100 * 50.5, 0))
 
 
 def test_cost_model_formula() -> None:
