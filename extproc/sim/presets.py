@@ -2,22 +2,23 @@
 
 The cost of one engine step (one forward pass over a batch, vLLM V1 style) is
 
-    step_s = base + prefill_tok * P + decode_seq * S + attn_pair * A + kv_read_tok * K
+    step_s = base + prefill_tok * P + decode_seq * S + attn_pair * A + attn_ctx_pair * C + kv_read_tok * K
 
 * ``P``: prefill tokens computed in the step (chunks of prompts, capped by the token budget);
 * ``S``: sequences that sample a token in the step (decodes plus prompts finishing prefill);
-* ``A``: attention pairs of prefill chunks: a chunk of ``n`` tokens whose first token sits at
-  position ``c`` attends to ``n * (c + (n + 1) / 2)`` earlier tokens. This term is what makes
-  an 8,000-token prompt cost more than twice a 4,000-token one (attention is quadratic);
+* ``A``: attention pairs within prefill chunks: a chunk of ``n`` tokens adds ``n * (n + 1) / 2``;
+* ``C``: pairs of a chunk with the context before it: a chunk of ``n`` tokens starting at
+  position ``c`` adds ``n * c`` (earlier chunks, or a prefix-cache hit). ``A`` and ``C`` make an
+  8,000-token prompt cost more than twice a 4,000-token one (attention is quadratic);
 * ``K``: context tokens read by decodes (each decode reads its whole KV cache).
 
-A request also pays ``frontend`` once, before it reaches the engine queue: HTTP parsing,
-tokenization and the hop from vLLM's API server process to EngineCore. It delays that request
-only; it does not occupy the engine.
+A request also pays ``frontend + frontend_tok * prompt_tokens`` once, before it reaches the engine
+queue: HTTP parsing, tokenization, hashing and the hop from vLLM's API server process to EngineCore.
+It delays that request only; it does not occupy the engine.
 
-The constants of ``tiny-cpu`` are fitted to a real vLLM 0.32 CPU build serving a tiny model on
-this project's machines (see docs/simulator.md and ``python -m extproc.sim calibrate``); those
-of ``llama-8b-h100`` are derived from public hardware and model specifications, cited inline.
+The constants of ``tiny-cpu`` are fitted by ``sluice sim calibrate --against`` to a measurement of a
+real vLLM 0.32 CPU engine (bench/results/calibration-vllm-cpu.json; docs/simulator.md); those of
+``llama-8b-h100`` are derived from public hardware and model specifications, cited inline.
 """
 
 from __future__ import annotations
