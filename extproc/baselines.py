@@ -253,7 +253,10 @@ def smg_argv(policy: Policy) -> list[str]:
     return [smg_binary(), "launch", "--host", gw.host, "--port", str(gw.port),
             "--worker-urls", *[f"http://{a}" for a in policy.default_pool.replicas],
             "--policy", "cache_aware", "--prometheus-host", gw.admin_host, "--prometheus-port", str(gw.admin_port),
-            "--log-level", "warn"]
+            "--log-level", "warn",
+            # start-up only: smg is started beside the replicas, so it polls for them every second instead of
+            # every 30 s (the default) before it serves; nothing about routing changes
+            "--worker-startup-check-interval", "1"]
 
 
 def smg_ready_url(policy: Policy) -> str:

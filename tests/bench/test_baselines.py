@@ -90,6 +90,7 @@ def test_smg_runs_its_shipped_defaults_with_cache_aware():
     assert argv[1] == "launch" and argv[argv.index("--policy") + 1] == "cache_aware"
     urls = argv[argv.index("--worker-urls") + 1:argv.index("--policy")]
     assert urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
+    assert argv[argv.index("--worker-startup-check-interval") + 1] == "1"   # start-up polling only
     tuning = [a for a in argv if a.startswith("--retry") or a.startswith("--cb-") or a.startswith("--health")
               or a.startswith("--max-concurrent") or a.startswith("--worker-overload") or a == "--disable-retries"]
     assert tuning == []
