@@ -266,6 +266,32 @@ def overview(result: dict[str, Any], scenarios: list[Scenario]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def goodput_table(result: dict[str, Any]) -> str:
+    """Per scenario: every system's SLO goodput, sluice's ratio to the best baseline, its worst class against
+    the best baseline, whether envoy-rr shows the problem and whether envoy-tuned still does."""
+    meta = result.get("_meta") or {}
+    systems = ordered_systems(list(meta.get("systems") or SYSTEM_ORDER))
+    baselines = [s for s in systems if s != "sluice"]
+    lines = ["| scenario | " + " | ".join(f"{s}" for s in systems)
+             + " | sluice / best baseline | worst_class_ratio (class) | envoy-rr shows it | envoy-tuned shows it |",
+             "|---|" + "---|" * len(systems) + "---|---|---|---|"]
+    for sid, row in result.items():
+        if sid.startswith("_"):
+            continue
+        vals = {s: (row.get(s) or {}).get("slo_goodput_rps") for s in systems}
+        best = max([v for s, v in vals.items() if s in baselines and v is not None], default=None)
+        mine = vals.get("sluice")
+        rel = f"{mine / best:.2f}x" if mine is not None and best else "none"
+        sl = row.get("sluice") or {}
+        worst = f"{fmt(sl.get('worst_class_ratio'))} ({sl.get('worst_class') or '-'})"
+        rep = (meta.get("reproduced") or {}).get(sid)
+        tuned = ((meta.get("reproduced_by") or {}).get(sid) or {}).get("envoy-tuned")
+        lines.append(f"| {sid} | " + " | ".join(fmt(vals[s]) for s in systems) + f" | {rel} | {worst} | "
+                     f"{'yes' if rep else ('no' if rep is not None else 'not run')} | "
+                     f"{'not run' if tuned is None else ('yes' if tuned[0] else 'no')} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_summary(result: dict[str, Any], path: Path, results_dir: Path,
                   scenarios: list[Scenario] | None = None) -> Path:
     from bench.scenarios import get_scenarios
@@ -279,6 +305,7 @@ def write_summary(result: dict[str, Any], path: Path, results_dir: Path,
     lines = [header(meta), "# Scenario benchmarks (P1..P13)", "",
              f"Command: `{meta.get('command', '')}`  ", f"Commit: `{meta.get('commit', '')}`  ",
              f"Date: {meta.get('date', '')}  ", f"Total wall time: {meta.get('wall_s', '?')} s", "", METHOD, "",
+             "## SLO goodput (req/s) per scenario and system", "", goodput_table(result), "",
              "## Overview (headline metrics)", "", overview(result, scenarios), DEPENDENCIES,
              "## Reproduced on envoy-rr", "", "| scenario | reproduced | why |", "|---|---|---|"]
     for sc in scenarios:

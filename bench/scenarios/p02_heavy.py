@@ -56,7 +56,7 @@ class S(Scenario):
             arrivals.append(Arrival(at=t, body=body, kind="heavy" if heavy else "normal"))
             n += 1
             t += rng.expovariate(14.0)
-        return Workload(arrivals=arrivals, duration=duration, drain=5.0)
+        return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
         quick = run.extra.get("quick", True)

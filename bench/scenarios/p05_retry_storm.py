@@ -64,9 +64,9 @@ class S(Scenario):
             t += rng.expovariate(20.0)
         faults = [Fault(s0, i, "slow", 3.0) for i in range(self.replicas)]
         faults += [Fault(s1, i, "slow", 1.0) for i in range(self.replicas)]
-        # the tail of a user's retries may run 9 x 1.5 s + backoffs after its arrival; what is still open 8 s after
+        # the tail of a user's retries may run 9 x 1.5 s + backoffs after its arrival; what is still open 6 s after
         # the last arrival is cancelled and counts as not served
-        return Workload(arrivals=arrivals, duration=duration, drain=8.0, faults=faults)
+        return Workload(arrivals=arrivals, duration=duration, drain=6.0, faults=faults)
 
     def call_class(self, call: Call, run: RunData) -> str:
         s0, s1, _d = self.phases(run.extra.get("quick", True))

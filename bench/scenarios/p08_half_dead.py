@@ -48,8 +48,8 @@ class S(Scenario):
     ]
 
     def phases(self, quick: bool) -> tuple[float, float]:
-        # quick: 11 s after the fault, so a detection within the bar's 10 s still has requests after it to judge
-        return (3.0, 14.0) if quick else (5.0, 40.0)
+        # quick: 9 s after the fault (the bar's 10 s detection leaves little to judge after it; the full run has 35 s)
+        return (3.0, 12.0) if quick else (5.0, 40.0)
 
     def workload(self, quick: bool) -> Workload:
         t_fault, duration = self.phases(quick)
@@ -61,7 +61,7 @@ class S(Scenario):
                                     client=ClientSpec(timeout_s=15.0)))
             n += 1
             t += rng.expovariate(20.0)
-        return Workload(arrivals=arrivals, duration=duration, drain=4.0, faults=[Fault(t_fault, 0, "slow", SLOW)])
+        return Workload(arrivals=arrivals, duration=duration, drain=3.0, faults=[Fault(t_fault, 0, "slow", SLOW)])
 
     def call_class(self, call: Call, run: RunData) -> str:
         return phase_of(call, run, [("before", self.phases(run.extra.get("quick", True))[0])], "after")

@@ -61,7 +61,7 @@ class S(Scenario):
             arrivals.append(Arrival(at=t, body=body, kind="long" if long_ else "short"))
             n += 1
             t += rng.expovariate(6.0)
-        return Workload(arrivals=arrivals, duration=duration, drain=5.0)
+        return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
         ts = run.time_scale

@@ -85,7 +85,7 @@ class S(Scenario):
                                     headers={"x-sluice-app": "agent-x"}))
             n += 1
             t += rng.expovariate(5.0)
-        return Workload(arrivals=arrivals, duration=duration, drain=6.0)
+        return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
         ts = run.time_scale

@@ -3,7 +3,6 @@ command line is the shipped defaults plus cache_aware."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,8 @@ import yaml
 
 from extproc.baselines import BaselineOptions, smg_argv
 from extproc.config import policy_from_dict
-from extproc.xds import envoy_binary, render
+from extproc.cli import validate_with_envoy
+from extproc.xds import render
 
 POLICY = {"pools": [{"model": "m", "replicas": ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]}],
           "gateway": {"max_downstream_connections": 800, "socket_send_buffer_bytes": 16384}}
@@ -22,25 +22,10 @@ def _resources(path: Path) -> list[dict]:
     return yaml.safe_load(path.read_text())["resources"]
 
 
-def _validate(paths: dict[str, Path], tmp: Path) -> subprocess.CompletedProcess:
-    """`envoy --mode validate` on a bootstrap carrying the rendered resources statically (validate mode does not
-    read file-based xDS)."""
-    boot = yaml.safe_load(paths["bootstrap"].read_text())
-    boot.pop("dynamic_resources", None)
-    boot["static_resources"] = {"listeners": _resources(paths["lds"]), "clusters": _resources(paths["cds"])}
-    for res in boot["static_resources"]["listeners"] + boot["static_resources"]["clusters"]:
-        res.pop("@type", None)
-    static = tmp / "validate.yaml"
-    static.write_text(yaml.safe_dump(boot))
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(static), "--log-level", "error"],
-                          capture_output=True, text=True, timeout=60)
-
-
 @pytest.mark.parametrize("options", [BaselineOptions(), TENANTS], ids=["no-tenants", "tenants"])
-def test_envoy_validates_envoy_tuned(tmp_path: Path, options: BaselineOptions):
-    paths = render(policy_from_dict(POLICY), tmp_path / "out", "envoy-tuned", baseline=options)
-    proc = _validate(paths, tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_envoy_validates_envoy_tuned(options: BaselineOptions):
+    ok, out = validate_with_envoy(policy_from_dict(POLICY), "envoy-tuned", baseline=options)
+    assert ok, out
 
 
 def test_envoy_tuned_has_the_operators_choices(tmp_path: Path):
