@@ -357,6 +357,51 @@ async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> 
             run.extra["sidecar_prom_text"] = text
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
+    if stack.mode == "smg":  # smg serves Prometheus on the gateway's admin port
+        try:
+            async with session.get(stack.admin_url + "/metrics", timeout=timeout) as resp:
+                run.extra["smg_prom_text"] = await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+
+
+# What each gateway says it did, kept in the JSON (`diagnostics`) to explain a column: sidecar counters by label
+# (sluice), Envoy counters of the operator's features (envoy-tuned, envoy-rr), smg's own counters.
+SIDECAR_DIAG = {"rejections": ("sluice_rejections_total", ("status", "reason")),
+                "shed": ("sluice_shed_total", ("lane", "reason")),
+                "saturated": ("sluice_replica_saturated_total", ("reason",)),
+                "health": ("sluice_replica_health_transitions_total", ("replica", "from", "to", "reason")),
+                "outcomes": ("sluice_requests_total", ("outcome",)),
+                "retries_rejected": ("sluice_budget_retries_rejected_total", ()),
+                "task_rejections": ("sluice_budget_task_rejections_total", ())}
+ENVOY_DIAG = ("admission_control_rq_rejected", "http_local_rate_limit_rate_limited",
+              "outlier_detection_ejections_enforced_total", "health_check_failure", "upstream_rq_retry",
+              "upstream_rq_retry_overflow", "upstream_rq_pending_overflow", "upstream_cx_connect_fail",
+              "upstream_rq_5xx", "upstream_rq_timeout", "upstream_rq_per_try_idle_timeout")
+SMG_DIAG = ("smg_worker_retries_total", "smg_router_upstream_responses_total", "smg_worker_cb_",
+            "smg_worker_health", "smg_http_requests_total", "smg_router_request_errors_total",
+            "smg_worker_overload_fallback_total", "smg_cache_aware_policy_branch_total")
+
+
+def diagnostics(run: RunData) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    text = run.extra.get("sidecar_prom_text")
+    if text:
+        for key, (name, labels) in SIDECAR_DIAG.items():
+            vals = {"/".join(lbl.get(k, "") for k in labels) or "total": v
+                    for lbl, v in parse_prom_labels(text, name) if v and not name.endswith("_created")}
+            if vals:
+                out[key] = vals
+    envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
+    if envoy:
+        out["envoy"] = envoy
+    smg = run.extra.get("smg_prom_text")
+    if smg:
+        out["smg"] = {f"{n}{{{','.join(f'{k}={v}' for k, v in sorted(lbl.items()))}}}": v
+                      for n in sorted({ln.split('{')[0].split(' ')[0] for ln in smg.splitlines()
+                                       if ln and ln[0] != '#' and any(ln.startswith(d) for d in SMG_DIAG)})
+                      for lbl, v in parse_prom_labels(smg, n) if v}
+    return out
 
 
 async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int) -> None:
@@ -467,7 +512,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                     print(f"[{sc.id}] {system}: ERROR {info.get('error')}", flush=True)
                     continue
                 try:
-                    metrics = {**sc.slo(run), **sc.metrics(run)}
+                    metrics = {**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)}
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     metrics = {m.key: None for m in sc.metrics_doc}

@@ -288,8 +288,14 @@ def ttfts_censored(run: RunData, recs: Iterable[Record]) -> list[float]:
     return run.ttfts(recs)
 
 
+def flowing_at_end(call: Call) -> bool:
+    """Completed, or still streaming tokens when the run ended (for streams meant to outlive the run, P12)."""
+    f = call.final
+    return call.ok or (f.status == 200 and f.error == "unfinished" and f.tokens > 0)
+
+
 def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str],
-                refused: Iterable[str] = ()) -> dict[str, Any]:
+                refused: Iterable[str] = (), complete: Callable[[Call], bool] = lambda c: c.ok) -> dict[str, Any]:
     """The whole cost, the same for every scenario and system (SLO: the first token within `slo_ttft_s` of the
     user's first send, retries included, and the response completed):
 
@@ -308,7 +314,7 @@ def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str]
         by_class.setdefault(class_of(c), []).append(c)
 
     def good(c: Call) -> bool:
-        return c.ok and c.ttft is not None and c.ttft * ts <= slo_ttft_s
+        return complete(c) and c.ttft is not None and c.ttft * ts <= slo_ttft_s
 
     n_good = sum(1 for cs in by_class.values() for c in cs if good(c))
     return {
@@ -316,7 +322,7 @@ def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str]
         "class_slo_goodput": {k: rnd(sum(1 for c in cs if good(c)) / span, 3) for k, cs in sorted(by_class.items())},
         "class_ttft_p95_s": {k: rnd(pct([c.waited * ts for c in cs], 95)) for k, cs in sorted(by_class.items())},
         "class_calls": {k: float(len(cs)) for k, cs in sorted(by_class.items())},
-        "class_failed": {k: float(sum(1 for c in cs if not c.ok)) for k, cs in sorted(by_class.items())},
+        "class_failed": {k: float(sum(1 for c in cs if not complete(c))) for k, cs in sorted(by_class.items())},
         "refused_classes": sorted(refused),
     }
 
@@ -382,6 +388,7 @@ class Scenario:
     slo_ttft_s = 2.0                    # the user's SLO: first token within this many seconds of the first send
     sluice_facts: dict[str, Any] = {}   # deployment facts sluice is told besides the SLO (tenants, task budget)
     refused_classes: tuple[str, ...] = ()  # classes sluice refuses by design (left out of worst_class_ratio)
+    streams_outlive_run = False         # True: "completed" in the SLO means completed or still flowing at the end
     tenant_requests: dict[str, tuple[int, int]] = {}  # tenant -> its typical (prompt, output) tokens: a
                                         # tenant scenario; envoy-tuned rate-limits each tenant (bench/runner.py)
     poll_sidecar: tuple[str, ...] = ()  # sidecar metric names to poll over time (sluice only)
@@ -407,7 +414,8 @@ class Scenario:
         return call.kind
 
     def slo(self, run: RunData) -> dict[str, Any]:
-        return slo_metrics(run, self.slo_ttft_s, lambda c: self.call_class(c, run), self.refused_classes)
+        done = flowing_at_end if self.streams_outlive_run else (lambda c: c.ok)
+        return slo_metrics(run, self.slo_ttft_s, lambda c: self.call_class(c, run), self.refused_classes, done)
 
     def workload(self, quick: bool) -> Workload:
         raise NotImplementedError

@@ -40,8 +40,11 @@ def test_honest_bars_goodput_margin_worst_class_policy_and_reproduction():
                "envoy-rr": {"slo_goodput_rps": 6.0}, "envoy-tuned": {"slo_goodput_rps": 10.5},
                "smg": {"slo_goodput_rps": 9.0}},
         "P11": {"sluice": {"slo_goodput_rps": 9.0, "worst_class_ratio": 0.5, "worst_class": "agent",
-                           "refused_classes": ["agent-beyond-budget"]},
-                "envoy-rr": {"slo_goodput_rps": 5.0}},
+                           "refused_classes": ["agent-beyond-budget"],
+                           "class_slo_goodput": {"agent": 4.0, "interactive": 5.0, "agent-beyond-budget": 0.0}},
+                # more in total, but only through the class sluice refuses: compared without it (7.5)
+                "envoy-rr": {"slo_goodput_rps": 9.5,
+                             "class_slo_goodput": {"agent": 3.0, "interactive": 4.5, "agent-beyond-budget": 2.0}}},
         "P12": {"sluice": {"slo_goodput_rps": 1.0}, "envoy-tuned": {"slo_goodput_rps": 5.0}},
         "_meta": {"sluice_policy": {"P2": {"admission": {"ttft_target_s": 1.0, "lanes": []}},
                                     "P11": {"admission": {"ttft_target_s": 1.0}}},
