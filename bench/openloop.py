@@ -257,6 +257,20 @@ def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
             rec.first_token = now
 
 
+def _read_answer(rec: Record, body: bytes, now: float) -> None:
+    """A complete non-streaming answer: its first token is the whole answer (TTFT = latency), its tokens the
+    usage's completion count."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        rec.error = "bad_json"
+        return
+    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    rec.completion_tokens = rec.tokens = int(usage.get("completion_tokens") or 0)
+    rec.first_token = now
+    rec.done = True
+
+
 class _Run:
     def __init__(self, url: str, session: aiohttp.ClientSession, seed: int) -> None:
         self.url = url
@@ -343,6 +357,9 @@ class _Run:
             rec.retry_after_s = _parse_retry_after(h)
             if resp.status != 200:
                 rec.body_excerpt = (await resp.read())[:300].decode("utf-8", "replace")
+                return
+            if resp.content_type == "application/json":  # a non-streaming answer: every token arrives at once
+                _read_answer(rec, await resp.read(), self.now())
                 return
             buf = b""
             content = resp.content

@@ -254,9 +254,10 @@ def smg_argv(policy: Policy) -> list[str]:
             "--worker-urls", *[f"http://{a}" for a in policy.default_pool.replicas],
             "--policy", "cache_aware", "--prometheus-host", gw.admin_host, "--prometheus-port", str(gw.admin_port),
             "--log-level", "warn",
-            # start-up only: smg is started beside the replicas, so it polls for them every second instead of
-            # every 30 s (the default) before it serves; nothing about routing changes
-            "--worker-startup-check-interval", "1"]
+            # start-up and teardown only, nothing about routing: smg is started beside the replicas, so it polls
+            # for them every second instead of every 30 s before it serves, and a stopped benchmark run does not
+            # wait out the 180 s grace for requests the harness has already cancelled
+            "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "1"]
 
 
 def smg_ready_url(policy: Policy) -> str:

@@ -1,15 +1,16 @@
 """P5 retry storm: the model slows a little, timeouts trigger retries at every layer, retries kill it.
 
-Workload (2 replicas, tiny-cpu, time_scale 1): users send requests of 1,000 prompt and 48 output tokens at
-20/s (seeded Poisson, about half the pool's capacity). Each goes through a business layer that retries the
-whole call twice on timeouts and 5xx (0.2 s pause), around an SDK that behaves like the openai SDK: 1.5 s
-timeout (sent as `x-stainless-read-timeout`), max_retries 2 with exponential backoff 0.5 s x 2^n and jitter,
+Workload (2 replicas, tiny-cpu, time_scale 1): a business service sends non-streaming requests of 1,000 prompt
+and 48 output tokens at 20/s (seeded Poisson, about half the pool's capacity). Each goes through a business
+layer that retries the whole call twice on timeouts and 5xx (0.2 s pause), around an SDK that behaves like the
+openai SDK: 1.5 s timeout for the whole answer (non-streaming: the response arrives complete, so the timeout
+covers it; sent as `x-stainless-read-timeout`), max_retries 2 with exponential backoff 0.5 s x 2^n and jitter,
 honouring `x-should-retry` and `retry-after-ms` / `retry-after`, sending `x-stainless-retry-count`. So one user
 request can become up to 9 attempts (more behind envoy-lr, which retries 5xx and resets itself). At t=3 s both
 replicas slow down 3x (`slow` fault: "the model was only slow") until t=7 s.
 
-SLO: the first token within 1 s of the user's first send (business and SDK retries included) and the response
-completed. Classes: `before`, `during` and `after` the slowdown (by the user request's first send).
+SLO: the answer within 1 s of the user's first send (business and SDK retries included; a non-streaming answer's
+first token is the whole answer). Classes: `before`, `during` and `after` the slowdown (by the user request's first send).
 
 Headline metrics: `slo_goodput_rps`, `amplification` = requests that reached a replica / distinct user requests
 (from the replicas' own counters), `client_attempts_per_user`, `goodput_rps` (user requests that finally
@@ -59,7 +60,7 @@ class S(Scenario):
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            arrivals.append(Arrival(at=t, body=chat(1000, 48, salt=n), kind="user", client=spec))
+            arrivals.append(Arrival(at=t, body=chat(1000, 48, salt=n, stream=False), kind="user", client=spec))
             n += 1
             t += rng.expovariate(20.0)
         faults = [Fault(s0, i, "slow", 3.0) for i in range(self.replicas)]

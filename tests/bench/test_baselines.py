@@ -76,6 +76,7 @@ def test_smg_runs_its_shipped_defaults_with_cache_aware():
     urls = argv[argv.index("--worker-urls") + 1:argv.index("--policy")]
     assert urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
     assert argv[argv.index("--worker-startup-check-interval") + 1] == "1"   # start-up polling only
+    assert argv[argv.index("--shutdown-grace-period-secs") + 1] == "1"      # teardown only
     tuning = [a for a in argv if a.startswith("--retry") or a.startswith("--cb-") or a.startswith("--health")
               or a.startswith("--max-concurrent") or a.startswith("--worker-overload") or a == "--disable-retries"]
     assert tuning == []

@@ -336,3 +336,14 @@ def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     summary = report.write_summary(out, tmp_path / "summary.md", tmp_path, scenarios=[_Fake()])
     text = summary.read_text()
     assert "| P3 fake | **problem not reproduced** |" in text and "Commit:" in text
+
+
+def test_a_non_streaming_answer_is_its_own_first_token():
+    from bench.openloop import _read_answer
+
+    r = rec(start=1.0, status=200)
+    _read_answer(r, b'{"choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":48}}', 1.7)
+    assert r.ok and r.tokens == 48 and r.prompt_tokens == 1000 and r.ttft == pytest.approx(0.7)
+    bad = rec(start=1.0, status=200)
+    _read_answer(bad, b"not json", 1.2)
+    assert not bad.ok and bad.error == "bad_json"
