@@ -275,13 +275,18 @@ def goodput_table(result: dict[str, Any]) -> str:
     lines = ["| scenario | " + " | ".join(f"{s}" for s in systems)
              + " | sluice / best baseline | worst_class_ratio (class) | envoy-rr shows it | envoy-tuned shows it |",
              "|---|" + "---|" * len(systems) + "---|---|---|---|"]
+    from bench.bars import served_goodput
+
     for sid, row in result.items():
         if sid.startswith("_"):
             continue
         vals = {s: (row.get(s) or {}).get("slo_goodput_rps") for s in systems}
-        best = max([v for s, v in vals.items() if s in baselines and v is not None], default=None)
-        mine = vals.get("sluice")
-        rel = f"{mine / best:.2f}x" if mine is not None and best else "none"
+        served = {s: served_goodput(row, s) for s in systems}
+        best = max([v for s, v in served.items() if s in baselines and v is not None], default=None)
+        mine = served.get("sluice")
+        refused = (row.get("sluice") or {}).get("refused_classes") or []
+        rel = (f"{mine / best:.2f}x" if mine is not None and best else "none") + (
+            f" (without {', '.join(refused)}: {fmt(mine)} vs {fmt(best)})" if refused else "")
         sl = row.get("sluice") or {}
         worst = f"{fmt(sl.get('worst_class_ratio'))} ({sl.get('worst_class') or '-'})"
         rep = (meta.get("reproduced") or {}).get(sid)
