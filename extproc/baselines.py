@@ -118,9 +118,11 @@ def tuned_circuit_breakers(replicas: int, opts: BaselineOptions) -> CircuitBreak
 def tuned_health_check() -> HealthCheck:
     """Active HTTP health checks on the engine's /health every second (timeout 1 s): a crashed replica leaves the
     pool after 2 failed checks and returns after 2 good ones (then through slow start). vLLM's /health answers
-    200 while the engine runs, so this catches crashes, not a slow replica (P8)."""
-    return HealthCheck(timeout=_secs(1), interval=_secs(1), unhealthy_threshold=2, healthy_threshold=2,
-                       http_health_check=HealthCheckHttpHealthCheck(path="/health"))
+    200 while the engine runs, so this catches crashes, not a slow replica (P8). The same 1 s interval while the
+    pool has no traffic (Envoy's default for an idle cluster is 60 s): hosts start unchecked, and a pool must be
+    known healthy before its first request, not a minute after."""
+    return HealthCheck(timeout=_secs(1), interval=_secs(1), no_traffic_interval=_secs(1), unhealthy_threshold=2,
+                       healthy_threshold=2, http_health_check=HealthCheckHttpHealthCheck(path="/health"))
 
 
 def tuned_outlier_detection() -> OutlierDetection:

@@ -40,6 +40,7 @@ def test_envoy_tuned_has_the_operators_choices(tmp_path: Path):
     assert th["max_requests"] == th["max_connections"] == th["max_pending_requests"] == 3 * 128
     assert th["retry_budget"]["budget_percent"]["value"] == 20.0
     assert cluster["health_checks"][0]["http_health_check"]["path"] == "/health"
+    assert cluster["health_checks"][0]["no_traffic_interval"] == cluster["health_checks"][0]["interval"] == "1s"
     assert cluster["outlier_detection"]["consecutive_5xx"] == 5
     assert cluster["outlier_detection"]["consecutive_gateway_failure"] == 3
     (listener,) = _resources(tuned["lds"])
