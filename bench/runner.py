@@ -1,6 +1,9 @@
-"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-lr] [--quick] [--json FILE]`
+"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-tuned,smg] [--quick] [--json FILE]`
 
-Runs the P1..P13 scenarios (`all` = every one) against each system in turn. For each (scenario, system) it
+Runs the P1..P13 scenarios (`all` = every one) against each system in turn: `sluice` (Envoy + the sidecar at its
+shipped defaults, told only the scenario's deployment facts: `_meta.sluice_policy`), `envoy-rr` (Envoy round
+robin, Envoy's defaults: the naive baseline), `envoy-tuned` (Envoy as an experienced operator configures it for
+an LLM pool, extproc/baselines.py) and `smg` (the Shepherd Model Gateway, cache_aware, its defaults). For each (scenario, system) it
 starts the same simulated replica pool fresh (same preset, same seeds) with that system in front
 (`extproc.supervisor.Stack`), replays the scenario's open-loop workload (`bench/openloop.py`), polls every
 replica's /sim/state every 250 ms (running, waiting, KV usage, preemptions, ghost tokens), samples Envoy and
@@ -8,9 +11,11 @@ sidecar memory and the sidecar metrics the scenario asks for, injects the scenar
 stack (by PID, in order) and computes the scenario's metrics.
 
 Outputs:
-  --json FILE                 {"P3": {"sluice": {metric: value|null}, "envoy-rr": {...}, ...}, ..., "_meta": {...}}
+  --json FILE                 {"P3": {"sluice": {metric: value|null|{class: value}}, "envoy-rr": {...}, ...}, ...,
+                              "_meta": {...}}; every system's metrics include the SLO goodput and its classes
+                              (bench/scenarios/base.py: slo_metrics), sluice's also `worst_class_ratio`
   bench/results/PN.md         one table per scenario (systems as columns)
-  bench/results/PN-SYSTEM.png TTFT over time, KV usage and queues per replica (matplotlib, Agg)
+  bench/results/PN.png        TTFT over time and KV usage per replica, every system on shared axes (committed)
   docs/benchmarks-scenarios.md  every table, the method, and the reproduced flags
 A line per scenario says whether envoy-rr reproduced the problem (a scenario that does not is wrong).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -30,14 +36,17 @@ from typing import Any
 
 import aiohttp
 
+from bench.capacity import EngineSpec, capacity_rps
 from bench.openloop import raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
-from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals
+from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals, worst_class_ratio
+from extproc.baselines import BaselineOptions
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
 
-SYSTEMS = ("sluice", "envoy-rr", "envoy-lr")
+SYSTEMS = ("sluice", "envoy-rr", "envoy-tuned", "smg")
+TENANT_SHARE = 0.5  # envoy-tuned's rate limit: each tenant at most this share of the pool's capacity
 POLL_S = 0.25
 RESULTS = Path("bench/results")
 SUMMARY = Path("docs/benchmarks-scenarios.md")
@@ -59,6 +68,26 @@ def policy_dict(sc: Scenario, system: str, seed: int, with_sluice_sections: bool
     return data
 
 
+def baseline_options(sc: Scenario) -> BaselineOptions:
+    """What an operator sizes envoy-tuned with: the engine's max_num_seqs and, where the scenario has tenants, a
+    per-tenant request rate of TENANT_SHARE x the pool's capacity for that tenant's requests (bench/capacity.py,
+    from the simulator's cost model)."""
+    spec = EngineSpec.of(sc.preset, sc.sim_args)
+    rps = {t: TENANT_SHARE * sc.replicas * capacity_rps(spec, p, o) for t, (p, o) in sc.tenant_requests.items()}
+    return BaselineOptions(max_num_seqs=spec.seqs, tenant_rps=rps)
+
+
+def sluice_additions(sc: Scenario) -> dict[str, Any]:
+    """Everything sluice is told beyond its shipped defaults, as `_meta.sluice_policy` lists it: the policy
+    sections of `sc.sluice_policy`, the sidecar topology (`sidecar`) and a shared budget store."""
+    out: dict[str, Any] = json.loads(json.dumps(sc.sluice_policy))
+    if sc.sidecar:
+        out["sidecar"] = dict(sc.sidecar)
+    if getattr(sc, "redis", False):
+        out.setdefault("budgets", {})["store"] = {"kind": "redis", "redis": {"url": "(a redis-server the harness starts)"}}
+    return out
+
+
 def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_sections: bool = True,
                redis_url: str | None = None) -> Stack:
     data = policy_dict(sc, system, seed, with_sluice_sections)
@@ -66,7 +95,8 @@ def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_
         budgets = data.setdefault("budgets", {})
         budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
     policy = with_free_ports(policy_from_dict(data))
-    return Stack(policy, run_dir=run_dir, mode=system)
+    baseline = baseline_options(sc) if system == "envoy-tuned" else None
+    return Stack(policy, run_dir=run_dir, mode=system, baseline=baseline)
 
 
 def start_redis(run_dir: Path) -> tuple[Child, str]:
@@ -117,12 +147,12 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
 
 def _gateway_pids(stack: Stack) -> dict[str, list[int]]:
     """Envoy's and the sidecar workers' PIDs, by part: memory is reported per part so a growth can be placed."""
-    out: dict[str, list[int]] = {"envoy": [], "sidecar": []}
+    out: dict[str, list[int]] = {"envoy": [], "sidecar": [], "smg": []}
     for c in stack.children:
         if c.proc is None:
             continue
-        if c.name == "envoy":
-            out["envoy"].append(c.proc.pid)
+        if c.name in ("envoy", "smg"):
+            out[c.name].append(c.proc.pid)
         elif c.name.startswith("sidecar"):
             out["sidecar"].append(c.proc.pid)
     return out
@@ -327,6 +357,51 @@ async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> 
             run.extra["sidecar_prom_text"] = text
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
+    if stack.mode == "smg":  # smg serves Prometheus on the gateway's admin port
+        try:
+            async with session.get(stack.admin_url + "/metrics", timeout=timeout) as resp:
+                run.extra["smg_prom_text"] = await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+
+
+# What each gateway says it did, kept in the JSON (`diagnostics`) to explain a column: sidecar counters by label
+# (sluice), Envoy counters of the operator's features (envoy-tuned, envoy-rr), smg's own counters.
+SIDECAR_DIAG = {"rejections": ("sluice_rejections_total", ("status", "reason")),
+                "shed": ("sluice_shed_total", ("lane", "reason")),
+                "saturated": ("sluice_replica_saturated_total", ("reason",)),
+                "health": ("sluice_replica_health_transitions_total", ("replica", "from", "to", "reason")),
+                "outcomes": ("sluice_requests_total", ("outcome",)),
+                "retries_rejected": ("sluice_budget_retries_rejected_total", ()),
+                "task_rejections": ("sluice_budget_task_rejections_total", ())}
+ENVOY_DIAG = ("admission_control_rq_rejected", "http_local_rate_limit_rate_limited",
+              "outlier_detection_ejections_enforced_total", "health_check_failure", "upstream_rq_retry",
+              "upstream_rq_retry_overflow", "upstream_rq_pending_overflow", "upstream_cx_connect_fail",
+              "upstream_rq_5xx", "upstream_rq_timeout", "upstream_rq_per_try_idle_timeout")
+SMG_DIAG = ("smg_worker_retries_total", "smg_router_upstream_responses_total", "smg_worker_cb_",
+            "smg_worker_health", "smg_http_requests_total", "smg_router_request_errors_total",
+            "smg_worker_overload_fallback_total", "smg_cache_aware_policy_branch_total")
+
+
+def diagnostics(run: RunData) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    text = run.extra.get("sidecar_prom_text")
+    if text:
+        for key, (name, labels) in SIDECAR_DIAG.items():
+            vals = {"/".join(lbl.get(k, "") for k in labels) or "total": v
+                    for lbl, v in parse_prom_labels(text, name) if v and not name.endswith("_created")}
+            if vals:
+                out[key] = vals
+    envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
+    if envoy:
+        out["envoy"] = envoy
+    smg = run.extra.get("smg_prom_text")
+    if smg:
+        out["smg"] = {f"{n}{{{','.join(f'{k}={v}' for k, v in sorted(lbl.items()))}}}": v
+                      for n in sorted({ln.split('{')[0].split(' ')[0] for ln in smg.splitlines()
+                                       if ln and ln[0] != '#' and any(ln.startswith(d) for d in SMG_DIAG)})
+                      for lbl, v in parse_prom_labels(smg, n) if v}
+    return out
 
 
 async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int) -> None:
@@ -417,7 +492,8 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
     meta: dict[str, Any] = {"command": command or f"run_scenarios({names}, quick={quick})",
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
-                            "systems": systems, "time_scale": {}, "errors": {}}
+                            "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
+                            "baselines": {}, "reproduced_by": {}}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:
@@ -436,7 +512,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                     print(f"[{sc.id}] {system}: ERROR {info.get('error')}", flush=True)
                     continue
                 try:
-                    metrics = sc.metrics(run)
+                    metrics = {**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)}
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     metrics = {m.key: None for m in sc.metrics_doc}
@@ -444,15 +520,24 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                 out[sc.id][system] = metrics
                 runs[system] = run
                 if verbose:
-                    short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+                    short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)))
                     print(f"[{sc.id}] {system}: {short}  ({info.get('wall_s')} s wall)", flush=True)
-                if plots:
-                    try:
-                        from bench import plots as plotmod
+            if "sluice" in out[sc.id] and out[sc.id]["sluice"]:
+                ratio, cls = worst_class_ratio(out[sc.id], sc.refused_classes)
+                out[sc.id]["sluice"]["worst_class_ratio"] = ratio
+                out[sc.id]["sluice"]["worst_class"] = cls
+            meta["sluice_policy"][sc.id] = sluice_additions(sc)
+            if "envoy-tuned" in systems:
+                meta["baselines"][sc.id] = {"envoy-tuned": dataclasses.asdict(baseline_options(sc))}
+            if plots and runs:
+                try:
+                    from bench import plots as plotmod
 
-                        plotmod.plot_run(sc, run, results_dir / f"{sc.id}-{system}.png")
-                    except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
-                        print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
+                    plotmod.plot_scenario(sc, runs, results_dir / f"{sc.id}.png")
+                except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
+                    print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
+            meta["reproduced_by"][sc.id] = {s: list(sc.reproduced(m)) for s, m in out[sc.id].items()
+                                            if s in runs and m}
             rr = out[sc.id].get("envoy-rr")
             if "envoy-rr" in systems and rr is not None and runs.get("envoy-rr") is not None:
                 ok, why = sc.reproduced(rr)

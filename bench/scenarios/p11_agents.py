@@ -8,14 +8,21 @@ sent when the previous answered, up to 30 calls (multi-agent 20-50 in the docume
 `x-sluice-task-depth` (the step). A call refused by the gateway (4xx) ends its task, as an agent framework
 surfaces the budget error.
 
-Headline metrics: `max_calls_per_task` (calls that got an answer, most in one task), `max_tokens_per_task`
-(prompt + completion tokens of one task, from usage), `other_tenant_ttft_p95_s` (interactive tenant while
-agents run), `other_tenant_ttft_p95_idle_s` (before they start), `tasks_refused` (tasks stopped by a budget).
+SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
+Classes: `interactive`; `agent` for a task's first TASK_CALLS calls (within the task budget below);
+`agent-beyond-budget` for its later calls: the class sluice refuses by design (`refused_classes`), left out of
+`worst_class_ratio`.
+
+Headline metrics: `slo_goodput_rps`, `max_calls_per_task` (calls that got an answer, most in one task),
+`max_tokens_per_task` (prompt + completion tokens of one task, from usage), `other_tenant_ttft_p95_s`
+(interactive tenant while agents run), `other_tenant_ttft_p95_idle_s` (before they start), `tasks_refused`
+(tasks stopped by a budget).
 Reproduced on envoy-rr when max_calls_per_task >= 20 and the interactive tenant's p95 TTFT at least doubles.
-Sluice knobs: `budgets.tasks` (max_calls 8, max_tokens 20,000 per task) and `budgets.tenants.tokens_per_minute`
-(`agents`: 40,000: the tenant's share of the pool, so the interactive tenant keeps its TTFT). Sluice runs
-two sidecar processes (`sidecar.workers: 2`) sharing the budgets through a
-redis-server the harness starts, so `max_calls_per_task` == 8 shows the limit holding across sidecars.
+Sluice is told: the SLO (`admission.ttft_target_s: 1`) and the agents' task budget, a deployment fact
+(`budgets.tasks`: max_calls 8, max_tokens 20,000 per task). The tenants are named by `x-sluice-tenant` (trusted
+by default). Deployment topology, also a fact: two sidecar processes (`sidecar.workers: 2`) share the budgets
+through a redis-server the harness starts (`budgets.store`), so `max_calls_per_task` == 8 shows the limit holding
+across sidecars.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import random
 import zlib
 
 from bench.openloop import Arrival, Ctx
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
+from bench.scenarios.base import Call, Metric, RunData, Scenario, Workload, chat, pct, rnd
 
 MAX_CALLS = 30
+TASK_CALLS, TASK_TOKENS = 8, 20000  # the agents' task budget (a deployment fact sluice is told)
 
 
 def agent_script(task: str, steps: int):
@@ -49,9 +57,12 @@ class S(Scenario):
     # Two sidecar processes share the task budgets through a real Redis: the limit must hold exactly across them.
     sidecar = {"workers": 2}
     redis = True
-    sluice_policy = {"budgets": {"tasks": {"max_calls": 8, "max_tokens": 20000},
-                                 "tenants": {"tokens_per_minute": {"agents": 40000}}}}
-    headline = ('max_calls_per_task', 'max_tokens_per_task', 'other_tenant_ttft_p95_s')
+    slo_ttft_s = 1.0
+    sluice_facts = {"budgets": {"tasks": {"max_calls": TASK_CALLS, "max_tokens": TASK_TOKENS}}}
+    refused_classes = ("agent-beyond-budget",)
+    # typical requests per tenant (the agents' mean over a whole task), for envoy-tuned's per-tenant rate limit
+    tenant_requests = {"interactive": (300, 24), "agents": (600 + 150 * (MAX_CALLS - 1) // 2, 16)}
+    headline = ('slo_goodput_rps', 'max_calls_per_task', 'other_tenant_ttft_p95_s')
     metrics_doc = [
         Metric("max_calls_per_task", "answered calls of the busiest task", "calls"),
         Metric("max_tokens_per_task", "prompt + completion tokens of the costliest task", "tok"),
@@ -81,6 +92,11 @@ class S(Scenario):
             k += 1
             t += 0.5
         return Workload(arrivals=arrivals, duration=duration, drain=4.0)
+
+    def call_class(self, call: Call, run: RunData) -> str:
+        if call.kind != "agent":
+            return call.kind
+        return "agent" if call.final.call < TASK_CALLS else "agent-beyond-budget"
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
         ts = run.time_scale
