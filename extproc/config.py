@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from extproc.streaming import StreamingPolicy
 
 __all__ = ["Policy", "PolicyError", "GatewayConfig", "SidecarConfig", "LimitsConfig", "SimulatorConfig",
            "PoolConfig", "policy_from_dict", "load_policy", "read_policy_file", "parse_section", "policy_to_dict", "split_addr",
-           "is_loopback", "default_policy_path"]
+           "is_loopback", "default_policy_path", "default_workers"]
 
 
 def _check_port(value: int, where: str) -> None:
@@ -62,6 +64,15 @@ class GatewayConfig:
         require(self.buffer_limit_bytes >= 16384, f"{path}.buffer_limit_bytes", "must be at least 16384")
 
 
+def default_workers(cores: int | None = None) -> int:
+    """Sidecar processes for a machine of `cores` cores (default: the cores this process may run on), leaving
+    Envoy its share: max(1, cores - ceil(cores / 4)). Per request Envoy spends about a third of the sidecar's CPU
+    (`sluice bench overhead` reports both), so about a quarter of the gateway's cores go to Envoy."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - math.ceil(cores / 4))
+
+
 @dataclass
 class SidecarConfig:
     """The ext_proc sidecar's side."""
@@ -74,10 +85,18 @@ class SidecarConfig:
     failure_mode_allow: bool = False   # false: sidecar down -> 503 (fail closed); true: traffic flows unpinned
     message_timeout_ms: int = 1000     # Envoy waits this long for each sidecar answer (except held requests)
     max_queue_wait_ms: int = 30000     # longest a request may be held in the sidecar's queue
-    workers: int = 1                   # sidecar processes behind the ext_proc cluster (more cores)
+    workers: int = 0                   # sidecar processes behind the ext_proc cluster; 0 = derived from the
+                                       # machine: max(1, cores - ceil(cores / 4)), i.e. the cores left after
+                                       # Envoy's share (Envoy spends about a third of what the sidecar spends
+                                       # per request: a quarter of the gateway's CPU), where cores is what
+                                       # this process may run on (os.sched_getaffinity)
     max_open_requests: int = 0         # per process, queued + forwarded; beyond it a clean 429 (P12). 0 = derived:
                                        # 90% of gateway.max_downstream_connections / workers, so the sidecar
                                        # refuses with an HTTP error before Envoy must drop connections at accept
+
+    def __post_init__(self) -> None:
+        if self.workers == 0:
+            self.workers = default_workers()
 
     def open_request_cap(self, max_downstream_connections: int) -> int:
         if self.max_open_requests > 0:
@@ -85,7 +104,7 @@ class SidecarConfig:
         return max(1, int(0.9 * max_downstream_connections / max(1, self.workers)))
 
     def validate(self, path: str) -> None:
-        require(self.workers >= 1, f"{path}.workers", "must be >= 1")
+        require(self.workers >= 1, f"{path}.workers", "must be >= 0 (0 = derived from the machine's cores)")
         for name in ("grpc_port", "metrics_port", "admin_port"):
             _check_port(getattr(self, name), f"{path}.{name}")
         require(self.message_timeout_ms >= 50, f"{path}.message_timeout_ms", "must be at least 50")
