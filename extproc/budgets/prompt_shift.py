@@ -91,13 +91,23 @@ class _App:
         self.events = 0
         self.last_event: dict[str, Any] | None = None
         self.ratio = 1.0
+        # The recent means, baseline and ratio are read when Prometheus scrapes, not set per request.
         self.g_total = metrics.PROMPT_COST.labels(name, "total")
+        self.g_total.set_function(lambda: self.mean(self.sum_p + self.sum_c))
         self.g_capacity = metrics.PROMPT_CAPACITY.labels(name)
         self.g_prompt = metrics.PROMPT_COST.labels(name, "prompt")
+        self.g_prompt.set_function(lambda: self.mean(self.sum_p))
         self.g_completion = metrics.PROMPT_COST.labels(name, "completion")
+        self.g_completion.set_function(lambda: self.mean(self.sum_c))
         self.g_base = metrics.PROMPT_BASELINE.labels(name)
+        self.g_base.set_function(lambda: self.baseline or 0.0)
         self.g_ratio = metrics.PROMPT_SHIFT_RATIO.labels(name)
+        self.g_ratio.set_function(lambda: self.ratio if self.baseline is not None else 0.0)
         self.c_events = metrics.PROMPT_SHIFT_EVENTS.labels(name)
+
+    def mean(self, total: float) -> float:
+        """`total` over the requests in the recent window (0 before the first)."""
+        return total / self.filled if self.filled else 0.0
 
 
 class PromptShiftTracker:
@@ -162,13 +172,10 @@ class PromptShiftTracker:
             st.sum_c += completion
         n = st.filled
         mean = (st.sum_p + st.sum_c) / n
-        st.g_total.set(mean)
         if st.requests % CAPACITY_EVERY == 0:
             capacity = self._capacity(model, mean)
             if capacity is not None:
                 st.g_capacity.set(capacity)
-        st.g_prompt.set(st.sum_p / n)
-        st.g_completion.set(st.sum_c / n)
         costs = sorted([st.ring_p[j] + st.ring_c[j] for j in range(n)])
         med = costs[n // 2] if n % 2 else (costs[n // 2 - 1] + costs[n // 2]) / 2
         if st.baseline is None:  # warming up
@@ -184,7 +191,6 @@ class PromptShiftTracker:
                 st.baseline = st.base_prompt + st.base_completion
                 st.base_med = st.warm_med / st.warm_med_n if st.warm_med_n else med
                 st.stable_fp = prefix_key
-                st.g_base.set(st.baseline)
             return None
         a = self._alpha
         if evicted and st.over == 0:  # drift: the old mean learns what left the recent window unshifted
@@ -192,10 +198,8 @@ class PromptShiftTracker:
             st.base_prompt += a * (out_p - st.base_prompt)
             st.base_completion += a * (out_c - st.base_completion)
             st.baseline = st.base_prompt + st.base_completion
-            st.g_base.set(st.baseline)
         ratio = med / st.base_med if st.base_med > 0 else (1.0 if med <= 0 else float("inf"))
         st.ratio = ratio
-        st.g_ratio.set(ratio)
         if abs(ratio - 1.0) <= self.policy.threshold:
             st.over = 0
             st.run_fps.clear()
@@ -270,9 +274,7 @@ class PromptShiftTracker:
         st.base_completion = st.sum_c / k
         st.baseline = recent
         st.base_med = med
-        st.g_base.set(recent)
         st.ratio = 1.0
-        st.g_ratio.set(1.0)
         st.over = 0
         st.run_fps.clear()
         st.stable_fp = new_fp
