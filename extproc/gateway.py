@@ -64,7 +64,7 @@ class Gateway:
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.draining = False
         self._tenant_gauges: dict[str, object] = {}
-        self._replica_gauges: dict[Replica, tuple] = {}
+        self._counted_replicas: set[Replica] = set()
 
     # The Fleet's, by pool, for the decisions below (a reload rebuilds them in place).
     pools = property(lambda self: self.fleet.pools)
@@ -103,12 +103,13 @@ class Gateway:
             g = self._tenant_gauges[label] = m.TENANT_OPEN_STREAMS.labels(label)
         return g
 
-    def _gauges(self, r: Replica) -> tuple:
-        g = self._replica_gauges.get(r)
-        if g is None:
-            g = self._replica_gauges[r] = (m.INFLIGHT_REQUESTS.labels(r.pool, r.address),
-                                           m.INFLIGHT_TOKENS.labels(r.pool, r.address))
-        return g
+    def _count_inflight(self, r: Replica) -> None:
+        """sluice_inflight_requests / _tokens of a replica read its own exact accounting when Prometheus scrapes
+        (bound once, at its first placement): no gauge arithmetic per request."""
+        if r not in self._counted_replicas:
+            self._counted_replicas.add(r)
+            m.INFLIGHT_REQUESTS.labels(r.pool, r.address).set_function(lambda: r.inflight_requests)
+            m.INFLIGHT_TOKENS.labels(r.pool, r.address).set_function(lambda: r.inflight_tokens)
 
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
@@ -229,11 +230,9 @@ class Gateway:
         req = st.req
         assert req is not None and st.pool is not None
         st.placement = placement
-        st.take(Hold.PLACEMENT | Hold.GAUGES)
+        st.take(Hold.PLACEMENT)
         st.move(FORWARDED)
-        gauges = self._gauges(placement.replica)
-        gauges[0].inc()
-        gauges[1].inc(req.total_tokens)
+        self._count_inflight(placement.replica)
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
@@ -341,10 +340,6 @@ class Gateway:
         if holds & (Hold.DETACHED | Hold.LIVE):
             self.inflight.forget(st, req.request_id, holds)
         placement = st.placement
-        if holds & Hold.GAUGES:
-            gauges = self._gauges(placement.replica)
-            gauges[0].dec()
-            gauges[1].dec(req.total_tokens)
         if holds & Hold.PLACEMENT:
             replica = placement.replica
             if placement.owner is not None:

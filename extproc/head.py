@@ -19,13 +19,13 @@ from extproc.xds import DESTINATION_KEY
 MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
 
 # Client-sent headers that would let a client decide what only the gateway may decide: removed from every
-# forwarded request (removing an absent header is free; one constant list, no per-request work). The pool
+# forwarded request (removing an absent header is free; one constant tuple, no per-request work). The pool
 # header is not listed: the sidecar always overwrites it.
-STRIPPED_HEADERS = [DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
+STRIPPED_HEADERS = (DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
                     "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-max-retries", "x-envoy-retry-on",
                     "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes", "x-envoy-retriable-header-names",
                     "x-envoy-hedge-on-per-try-timeout", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
-                    "x-envoy-upstream-stream-duration-ms"]
+                    "x-envoy-upstream-stream-duration-ms")
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """Building the ext_proc answers the sidecar sends back to Envoy.
 
 Constant answers are built once at import and reused (protobuf serialises the same object any number of
-times); per-request answers reuse cached pieces (the dynamic-metadata Struct per pin list) so the hot path
-allocates as little as it can.
+times); per-request answers are cached whole where they repeat (the pinned answer per pin list) or reuse cached
+pieces, so the hot path allocates as little as it can.
 """
 
 from __future__ import annotations
@@ -99,21 +99,28 @@ def _pool_header(cluster: str) -> base_pb2.HeaderValueOption:
 
 
 def forward(cluster: str, pins: str, *, upstream_timeout_ms: int | None = None,
-            remove_headers: list[str] | None = None,
-            extra_headers: list[base_pb2.HeaderValueOption] | None = None) -> pb.ProcessingResponse:
+            remove_headers: tuple[str, ...] = ()) -> pb.ProcessingResponse:
     """Let the request through, pinned: the pool header selects the cluster (route cache cleared so the route
-    is chosen again), the dynamic metadata gives override_host the ordered replica list."""
-    mutation = pb.HeaderMutation(set_headers=[_pool_header(cluster)])
+    is chosen again), the dynamic metadata gives override_host the ordered replica list. Without a client
+    deadline the whole answer is the same for every request of a pin list: built once and reused."""
+    if upstream_timeout_ms is None:
+        return _forward_cached(cluster, pins, remove_headers)
+    return _forward(cluster, pins, upstream_timeout_ms, remove_headers)
+
+
+@lru_cache(maxsize=4096)
+def _forward_cached(cluster: str, pins: str, remove_headers: tuple[str, ...]) -> pb.ProcessingResponse:
+    return _forward(cluster, pins, None, remove_headers)
+
+
+def _forward(cluster: str, pins: str, upstream_timeout_ms: int | None,
+             remove_headers: tuple[str, ...]) -> pb.ProcessingResponse:
+    set_headers = [_pool_header(cluster)]
     if upstream_timeout_ms is not None:
-        mutation.set_headers.append(_header("x-envoy-upstream-rq-timeout-ms", str(upstream_timeout_ms)))
-    if extra_headers:
-        mutation.set_headers.extend(extra_headers)
-    if remove_headers:
-        mutation.remove_headers.extend(remove_headers)
-    common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-    resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
-    resp.dynamic_metadata.CopyFrom(pin_metadata(pins))
-    return resp
+        set_headers.append(_header("x-envoy-upstream-rq-timeout-ms", str(upstream_timeout_ms)))
+    mutation = pb.HeaderMutation(set_headers=set_headers, remove_headers=remove_headers)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+        header_mutation=mutation, clear_route_cache=True)), dynamic_metadata=pin_metadata(pins))
 
 
 def hold(seconds: float) -> pb.ProcessingResponse:

@@ -79,9 +79,8 @@ class Hold:
     BUDGET = 1 << 3         # the budget charge, settled at release with the actual usage where known
     WAITER = 1 << 4         # its place in a lane's queue
     PLACEMENT = 1 << 5      # its replica slot and its lane's in-flight accounting
-    GAUGES = 1 << 6         # counted in sluice_inflight_requests / _tokens of its replica
-    LIVE = 1 << 7           # registered by request id, so a slow consumer can be cut (P13)
-    DETACHED = 1 << 8       # registered by request id, released when the access log reports its end
+    LIVE = 1 << 6           # registered by request id, so a slow consumer can be cut (P13)
+    DETACHED = 1 << 7       # registered by request id, released when the access log reports its end
 
     @classmethod
     def names(cls, holds: int) -> list[str]:
