@@ -61,6 +61,8 @@ class Gateway:
         self.identity = Identity(policy.tenants)
         self.budgets = self.make_budgets(policy)
         self.open_requests = 0
+        self.open_streams = 0  # sluice_open_streams, read when Prometheus scrapes
+        m.OPEN_STREAMS.set_function(lambda: self.open_streams)
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.draining = False
         self._tenant_gauges: dict[str, object] = {}
@@ -114,7 +116,7 @@ class Gateway:
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
         """A new ext_proc stream, counted in sluice_open_streams until `finish`."""
-        m.OPEN_STREAMS.inc()
+        self.open_streams += 1
         return Stream(holds=Hold.OPEN_STREAM)
 
     def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
@@ -371,5 +373,5 @@ class Gateway:
         if holds & Hold.OPEN_REQUEST:
             self.open_requests -= 1
         if holds & Hold.OPEN_STREAM:
-            m.OPEN_STREAMS.dec()
+            self.open_streams -= 1
         return st.state
