@@ -42,10 +42,11 @@ def _start_replica(tmp: Path, port: int, admin_port: int) -> Child:
     return child
 
 
-def _stack(tmp: Path, replica: str, mode: str) -> Stack:
+def _stack(tmp: Path, replica: str, mode: str, workers: int = 0) -> Stack:
     policy = with_free_ports(policy_from_dict({
         "pools": [{"model": MODEL, "replicas": [replica]}],
         "simulator": {"enabled": False},
+        "sidecar": {"workers": workers},
     }))
     policy.pools[0].replicas = [replica]  # with_free_ports reassigns replica ports: keep the shared one
     return Stack(policy, run_dir=tmp / mode, mode=mode)
@@ -93,13 +94,13 @@ async def _measure(urls: dict[str, str], n_c1: int, n_c32: int, sidecar_pids: li
     return merged, sidecar_cpu, envoy_cpu
 
 
-def run(n_c1: int, n_c32: int) -> dict:
+def run(n_c1: int, n_c32: int, workers: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="sluice-overhead-") as tmp_s:
         tmp = Path(tmp_s)
         port, admin = free_ports(2)
         replica_addr = f"127.0.0.1:{port}"
         replica = _start_replica(tmp, port, admin)
-        stacks = {mode: _stack(tmp, replica_addr, mode) for mode in ("envoy-rr", "sluice")}
+        stacks = {mode: _stack(tmp, replica_addr, mode, workers) for mode in ("envoy-rr", "sluice")}
         try:
             for s in stacks.values():
                 s.start()
@@ -170,9 +171,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--requests-c1", type=int, default=500, help="requests per path at concurrency 1")
     parser.add_argument("--requests-c32", type=int, default=3000, help="requests per path at concurrency 32")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="sidecar workers (default 0: the policy's default for this machine)")
     parser.add_argument("--markdown", default="bench/results/overhead.md", help="write the table here")
     args = parser.parse_args(argv)
-    result = run(args.requests_c1, args.requests_c32)
+    result = run(args.requests_c1, args.requests_c32, args.workers)
     result["commit"] = git_commit()
     result["command"] = "sluice bench overhead " + " ".join(argv)
     text = table(result)

@@ -65,6 +65,9 @@ class Gateway:
         m.OPEN_STREAMS.set_function(lambda: self.open_streams)
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
         self.draining = False
+        # Envoy streams its whole access log to one sidecar worker, so only a lone worker learns the end of every
+        # request it forwarded: with several workers a forwarded request keeps its ext_proc stream until it ends.
+        self.detaches = policy.sidecar.workers == 1
         self._tenant_gauges: dict[str, object] = {}
         self._counted_replicas: set[Replica] = set()
 
@@ -247,7 +250,7 @@ class Gateway:
             st.watch = DrainWatch()
             st.task = asyncio.current_task()
             self.inflight.watch(st, req.request_id)
-        elif st.observer is None:
+        elif st.observer is None and self.detaches:
             self.inflight.detach(st, req.request_id)
         return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
 

@@ -135,3 +135,17 @@ def test_sweep_releases_requests_whose_end_was_lost() -> None:
         assert _inflight(gw) == (1, 1)
 
     asyncio.run(run())
+
+
+def test_with_several_workers_a_forwarded_request_keeps_its_stream() -> None:
+    """Envoy streams the access log to one worker only: another worker would never learn its detached requests'
+    ends (they stayed counted until the sweep, and the replica looked full to that worker)."""
+    async def run() -> None:
+        gw, receiver = _gateway({"sidecar": {"workers": 2}})
+        st = await _forward(gw, "req-w2")
+        assert st.state is State.FORWARDED and not st.ended and gw.inflight.detached == {}
+        assert _inflight(gw) == (1, 1)
+        gw.close(st)                             # its ext_proc stream closing releases it
+        assert _inflight(gw) == (0, 0) and st.holds == 0
+
+    asyncio.run(run())
