@@ -144,7 +144,7 @@ def test_committed_envoy_files_match_the_default_policy(tmp_path):
 def test_sidecar_workers_default_to_the_cores_left_after_envoys_share() -> None:
     from extproc.config import default_workers
 
-    assert [default_workers(c) for c in (1, 2, 4, 8, 16)] == [1, 1, 3, 6, 12]
+    assert [default_workers(c) for c in (1, 2, 3, 4, 8, 16)] == [1, 1, 2, 2, 5, 10]
     pools = [{"model": "m", "replicas": ["127.0.0.1:1"]}]
     assert policy_from_dict({"pools": pools}).sidecar.workers == default_workers()
     assert policy_from_dict({"pools": pools, "sidecar": {"workers": 3}}).sidecar.workers == 3
