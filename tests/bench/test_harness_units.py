@@ -336,3 +336,11 @@ def test_a_non_streaming_answer_is_its_own_first_token():
     bad = rec(start=1.0, status=200)
     _read_answer(bad, b"not json", 1.2)
     assert not bad.ok and bad.error == "bad_json"
+
+
+def test_hop_cost_drives_every_request_through_the_gateway_and_releases_it() -> None:
+    from bench.hop_cost import run
+
+    result = run(requests=40, rounds=2)
+    assert result["forwarded"] == 80 and result["open_requests_left"] == 0
+    assert len(result["us_per_request_rounds"]) == 2 and result["us_per_request_min"] > 0
