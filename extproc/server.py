@@ -53,6 +53,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         return
                 elif kind == "request_headers":
                     yield gw.on_request_headers(st, msg.request_headers)
+                    if st.ended:
+                        return
                 elif kind == "response_headers":
                     yield gw.on_response_headers(st, msg.response_headers)
                 elif kind == "response_trailers":
