@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import metrics as m
 from extproc import responses as R
 from extproc.admission.scheduler import Placement, Shed
-from extproc.budgets import BudgetExceeded, Budgets
+from extproc.budgets import BudgetExceeded, Budgets, OriginalInFlight
 from extproc.config import Policy
 from extproc.fleet import Fleet
 from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, HeaderRoom, read_head, to_int
@@ -202,7 +202,10 @@ class Gateway:
         self._tenant_gauge(req.tenant).inc()
         try:
             budgets = self.budgets
-            st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+            try:
+                st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+            except OriginalInFlight as pending:  # its end may still be on its way: wait briefly
+                st.charge = await budgets.admit_when_ended(req, pending)
             st.budgets = budgets
             st.take(Hold.BUDGET)
         except BudgetExceeded as exc:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -83,6 +84,22 @@ def test_keys_from_the_environment_with_padding_and_unicode(auth_stack: Stack) -
     tenants = {dict(lbls).get("tenant") for (name, lbls) in scrape(auth_stack.metrics_url)
                if name == "sluice_tenant_open_streams"}
     assert {"delta", "unicode"} <= tenants and "=delta" not in tenants, tenants
+
+
+def test_a_tenants_retries_leave_another_tenants_first_retry(auth_stack: Stack) -> None:
+    """Issue #19, finding 3: after one tenant's ten retries, another tenant's first retry got 429
+    `retry_budget_exceeded` (the cap was pool-wide). Now the noisy tenant is refused at its own share, and the
+    other tenant (the base64 key with `==` padding, through the openai SDK) retries as if alone."""
+    with httpx.Client(base_url=auth_stack.base_url, timeout=10) as http:
+        codes = [http.post(CHAT, json=chat(), headers={"authorization": "Bearer sk-acme-5f2c9",
+                                                       "x-stainless-retry-count": "1"}).status_code
+                 for _ in range(10)]
+    assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
+    client = openai.OpenAI(base_url=auth_stack.base_url + "/v1", api_key="c2VjcmV0LWtleQ==", max_retries=0)
+    done = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                          extra_headers={"x-stainless-retry-count": "1"})
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert_settled(auth_stack)
 
 
 NO_KEY_PROBES = {  # name -> (method, path, body, content-type): each answer Envoy or the sidecar would give
