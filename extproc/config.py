@@ -234,15 +234,16 @@ class Policy:
         hold_s = self.sidecar.max_queue_wait_ms / 1000.0
         require(receive == 0 or receive > hold_s, "gateway.request_receive_timeout_s",
                 f"must exceed sidecar.max_queue_wait_ms ({hold_s:g} s): a held request would be cut")
-        wait_ms = self.budgets.retry.duplicate_wait_s * 1000
-        require(wait_ms < self.sidecar.message_timeout_ms, "budgets.retry.duplicate_wait_s",
-                f"must be shorter than sidecar.message_timeout_ms ({self.sidecar.message_timeout_ms} ms): Envoy "
-                "waits no longer for the sidecar's answer")
 
     def derive(self) -> None:
-        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms."""
+        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms;
+        budgets.retry.duplicate_wait_s at most half of sidecar.message_timeout_ms."""
         if self.admission.max_wait_s <= 0:
             self.admission.max_wait_s = self.sidecar.max_queue_wait_ms / 1000.0
+        retry = self.budgets.retry
+        cap_s = self.sidecar.message_timeout_ms / 2000.0  # Envoy waits no longer than the timeout for the answer
+        if retry.duplicate_wait_s > cap_s:
+            self.budgets = dataclasses.replace(self.budgets, retry=dataclasses.replace(retry, duplicate_wait_s=cap_s))
 
     @property
     def default_pool(self) -> PoolConfig:

@@ -84,7 +84,7 @@ class RetryPolicy:
                                       # for that request to end before it is refused as a duplicate (409): the end
                                       # of a finished request reaches the sidecar up to Envoy's access-log flush
                                       # interval (100 ms) after its client saw it, and a client may resend the id
-                                      # at once. 0 = refuse at once
+                                      # at once. 0 = refuse at once; at most half of sidecar.message_timeout_ms
     use_idempotency_key: bool = True  # recognise retries / duplicates by the `Idempotency-Key` header
     use_request_id: bool = True       # recognise them by a reused request id (`x-request-id`)
     use_fingerprint: bool = False     # recognise them by an identical body from the same tenant. Off by default:
