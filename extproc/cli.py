@@ -115,6 +115,7 @@ def default_run_dir(policy: Policy) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from extproc.restarts import Restarter, RestartPolicy
     from extproc.supervisor import Stack, StartupError
 
     policy_path = Path(args.config) if args.config else default_policy_path()
@@ -141,12 +142,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     model = policy.default_pool.model
     print(_banner(stack, model, policy_path), flush=True)
+    restarter = Restarter(RestartPolicy(), stack.child_env(),
+                          lambda line: print(f"sluice up: {line}", file=sys.stderr, flush=True))
     try:
         while not stopping["flag"]:
-            dead = [c for c in stack.children if not c.alive()]
-            if dead:
-                print(f"sluice up: {dead[0].name} exited unexpectedly; log {dead[0].log_path}:\n"
-                      f"{dead[0].log_tail()}", file=sys.stderr)
+            for child in stack.children:
+                if child.alive() or (child.name.startswith("sidecar") and restarter.tend(child)):
+                    continue
+                print(f"sluice up: {child.name} exited; stopping; log {child.log_path}:\n{child.log_tail()}",
+                      file=sys.stderr)
                 return 1
             time.sleep(0.2)
     finally:

@@ -26,7 +26,7 @@ from extproc.admission.policy import AdmissionPolicy
 from extproc.budgets.policy import BudgetPolicy
 from extproc.identity import TenantPolicy
 from extproc.routing.policy import RoutingPolicy
-from extproc.schema import INTERNAL, PolicyError, build, file_fields, require, to_dict
+from extproc.schema import INTERNAL, PolicyError, build, file_fields, non_negative, require, to_dict
 from extproc.streaming import StreamingPolicy
 
 __all__ = ["Policy", "PolicyError", "GatewayConfig", "SidecarConfig", "LimitsConfig", "SimulatorConfig",
@@ -51,6 +51,33 @@ class GatewayConfig:
     http2_max_concurrent_streams: int = 256  # per client connection (P12)
     socket_send_buffer_bytes: int = 0       # SO_SNDBUF of client connections; 0 = kernel default (autotuned, MBs)
     max_downstream_connections: int = 10000  # overload manager: excess connections are closed at accept (P12)
+    connection_idle_timeout_s: float = 60.0  # a client connection with no request in flight is closed after this
+                                            # (0 = never). P12: an idle keep-alive connection holds one of the
+                                            # max_downstream_connections slots and an fd; 60 s outlives the
+                                            # keep-alive pools of common clients (openai-python/httpx 5 s, Node 5 s,
+                                            # aiohttp 15 s), so reuse never races a close, and returns a slot within
+                                            # a minute. Never cuts a stream or a held request (they are in flight)
+    request_headers_timeout_s: float = 10.0  # a new connection must send its first request line within this, and
+                                            # every request its whole header block within this of its first byte;
+                                            # else the connection is closed (0 = off). P12: a connection that sends
+                                            # nothing (or headers a byte at a time) would otherwise hold a slot for
+                                            # connection_idle_timeout_s; headers are a few KB, sent in milliseconds
+                                            # on any network
+    request_receive_timeout_s: float = 0.0  # the whole request (headers, body, and the sidecar's decision, queue
+                                            # hold included) must be passed to a replica within this; Envoy answers
+                                            # 408 otherwise. 0 = derived: sidecar.max_queue_wait_ms + 60 s (a 4 MiB
+                                            # prompt at 0.6 Mbit/s). P12: a body trickled a byte at a time holds a
+                                            # slot; the response, however long it streams, is not part of it
+    max_request_headers: int = 100          # headers per request (Envoy's max_headers_count); more get a JSON 431
+                                            # from Envoy. The sidecar's own additions (pool header, upstream
+                                            # timeout) must fit too: a request with fewer than that many spare is
+                                            # refused with the same 431 by the sidecar, before it is admitted
+    max_request_headers_kb: int = 8         # total size of a request's headers, in KiB (keys + values, as Envoy
+                                            # counts); larger get a JSON 431 from Envoy, before any replica sees
+                                            # them. 8 KiB is what common servers take per header (nginx, Apache,
+                                            # aiohttp: 8190 bytes), an SDK request carries about 1 KiB. P12: Envoy
+                                            # keeps each request's headers while it runs: 10,000 streams x 60 KiB
+                                            # (Envoy's default) would be 600 MB
     stream_idle_timeout_s: float = 0.0      # 0 = derived: longest queue wait + longest expected TTFT + margin
     request_timeout_s: float = 0.0          # route timeout for a whole response; 0 = none (streams can be long)
     num_retries: int = 1                    # Envoy retries on connect failure / refused stream (one per pin entry)
@@ -62,6 +89,10 @@ class GatewayConfig:
         _check_port(self.port, f"{path}.port")
         _check_port(self.admin_port, f"{path}.admin_port")
         require(self.buffer_limit_bytes >= 16384, f"{path}.buffer_limit_bytes", "must be at least 16384")
+        non_negative(self, path, "connection_idle_timeout_s", "request_headers_timeout_s",
+                     "request_receive_timeout_s")
+        require(self.max_request_headers >= 16, f"{path}.max_request_headers", "must be at least 16")
+        require(1 <= self.max_request_headers_kb <= 8192, f"{path}.max_request_headers_kb", "must be in 1..8192")
 
 
 def default_workers(cores: int | None = None) -> int:
@@ -219,11 +250,20 @@ class Policy:
         for name, port in ports:
             require(port not in by_port, name, f"and {by_port.get(port)} both use port {port}")
             by_port[port] = name
+        receive = self.gateway.request_receive_timeout_s
+        hold_s = self.sidecar.max_queue_wait_ms / 1000.0
+        require(receive == 0 or receive > hold_s, "gateway.request_receive_timeout_s",
+                f"must exceed sidecar.max_queue_wait_ms ({hold_s:g} s): a held request would be cut")
 
     def derive(self) -> None:
-        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms."""
+        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms;
+        budgets.retry.duplicate_wait_s at most half of sidecar.message_timeout_ms."""
         if self.admission.max_wait_s <= 0:
             self.admission.max_wait_s = self.sidecar.max_queue_wait_ms / 1000.0
+        retry = self.budgets.retry
+        cap_s = self.sidecar.message_timeout_ms / 2000.0  # Envoy waits no longer than the timeout for the answer
+        if retry.duplicate_wait_s > cap_s:
+            self.budgets = dataclasses.replace(self.budgets, retry=dataclasses.replace(retry, duplicate_wait_s=cap_s))
 
     @property
     def default_pool(self) -> PoolConfig:

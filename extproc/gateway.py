@@ -1,6 +1,7 @@
 """The per-request decisions: what the sidecar does at each ext_proc message of one HTTP request.
 
-    request_headers ─► (no body? reject now) ─► request_body ─► decide: reject | queue | forward pinned
+    request_headers ─► (headers over the limit, bad key, no body? reject now; not for a replica? pass)
+        ─► request_body ─► decide: reject | queue | forward pinned
     response_headers ─► note status, first byte
     response_trailers / end_of_stream ─► done
     the request's end (its ext_proc stream closes, or the access log reports it) ─► `finish` releases every hold
@@ -22,10 +23,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import metrics as m
 from extproc import responses as R
 from extproc.admission.scheduler import Placement, Shed
-from extproc.budgets import BudgetExceeded, Budgets
+from extproc.budgets import BudgetExceeded, Budgets, OriginalInFlight
 from extproc.config import Policy
 from extproc.fleet import Fleet
-from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, read_head, to_int
+from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, HeaderRoom, read_head, to_int
 from extproc.identity import Identity, UnknownKey
 from extproc.inflight import InFlight
 from extproc.request import ENDPOINTS, BadRequest, parse_body
@@ -34,13 +35,14 @@ from extproc.stream import Hold, State, Stream
 from extproc.observed import ObservedStats
 from extproc.streaming import DrainWatch, ResponseObserver, Sampler
 from extproc.tokens import make_estimator
+from extproc.xds import headers_limit_message
 
 if TYPE_CHECKING:
     from extproc.accesslog import AccessLogReceiver
 
 # The states, as module constants: an Enum member looked up on its class costs about 0.1 us, per use.
 NEW, HEADERS, QUEUED, FORWARDED, DETACHED = State.NEW, State.HEADERS, State.QUEUED, State.FORWARDED, State.DETACHED
-RESPONDING, CUT, DONE, REJECTED = State.RESPONDING, State.CUT, State.DONE, State.REJECTED
+RESPONDING, CUT, DONE, REJECTED, PASSED = State.RESPONDING, State.CUT, State.DONE, State.REJECTED, State.PASSED
 _ANSWERED = (FORWARDED, RESPONDING)  # forwarded, the response's end not seen yet
 
 
@@ -59,6 +61,7 @@ class Gateway:
         self.observed = ObservedStats()
         self.inflight = InFlight(self.finish, self.streaming.slow_consumer)
         self.identity = Identity(policy.tenants)
+        self.header_room = self.make_header_room(policy)
         self.budgets = self.make_budgets(policy)
         self.open_requests = 0
         self.open_streams = 0  # sluice_open_streams, read when Prometheus scrapes
@@ -80,10 +83,17 @@ class Gateway:
         return Budgets(policy.budgets, capacity_tokens_per_s=self.capacity_tokens_per_s,
                        sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
 
+    @staticmethod
+    def make_header_room(policy: Policy) -> HeaderRoom:
+        gw = policy.gateway
+        return HeaderRoom.for_limits(gw.max_request_headers, gw.max_request_headers_kb,
+                                     [p.cluster for p in policy.pools])
+
     def adopt(self, policy: Policy, identity: Identity, budgets: Budgets) -> None:
         """A reload's new policy (extproc/reload.py has rebuilt the fleet): the objects that depend on it."""
         self.policy = policy
         self.identity = identity
+        self.header_room = self.make_header_room(policy)
         self.budgets = budgets
         self.open_cap = policy.sidecar.open_request_cap(policy.gateway.max_downstream_connections)
 
@@ -123,10 +133,24 @@ class Gateway:
         return Stream(holds=Hold.OPEN_STREAM)
 
     def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Note the head and wait for the body (Envoy pipelines it right behind)."""
+        """Note the head and wait for the body (Envoy pipelines it right behind). Refused here, before anything
+        else is looked at: headers that would leave no room for the sidecar's own (431), then, with API keys
+        required, a missing or unknown key (401). A request without a body for Envoy's own routes (/v1/models:
+        those reach the sidecar only when keys are required) passes once its key is known."""
         st.start = time.monotonic()
+        if not self.header_room.fits(msg.headers):
+            return self._reject(st, R.immediate(431, headers_limit_message(self.policy),
+                                                "request_headers_too_large"))
         st.head = head = read_head(msg.headers.headers)
-        if msg.end_of_stream:  # no body: nothing to govern, and nothing a replica could serve
+        try:
+            head.tenant = self.identity.tenant_for(head.api_key, head.tenant)
+        except UnknownKey:
+            return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
+                                                "invalid_api_key", err_type="authentication_error"))
+        if msg.end_of_stream:  # no body: nothing to govern
+            if head.path not in ENDPOINTS:  # GET /v1/models ...: Envoy's own route answers
+                st.move(PASSED)
+                return R.CONTINUE_REQUEST_HEADERS
             return self._reject(st, R.immediate(400, "request body is required", "missing_body"))
         st.move(HEADERS)
         if self.sampler.active and self.sampler.observe(head.tenant):
@@ -160,11 +184,6 @@ class Gateway:
         if pool is None:
             return self._reject(st, R.immediate(404, f"The model `{req.model}` does not exist.", "model_not_found",
                                                 param="model"))
-        try:
-            head.tenant = self.identity.tenant_for(head.api_key, head.tenant)
-        except UnknownKey:
-            return self._reject(st, R.immediate(401, "a valid API key is required (Authorization: Bearer ...)",
-                                                "invalid_api_key", err_type="authentication_error"))
         sched = fleet.schedulers[pool.model]
         sched.calibrate(req)
         head.identify(req, st.start)
@@ -189,7 +208,10 @@ class Gateway:
         self._tenant_gauge(req.tenant).inc()
         try:
             budgets = self.budgets
-            st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+            try:
+                st.charge = budgets.admit_sync(req) if budgets.is_sync else await budgets.admit(req)
+            except OriginalInFlight as pending:  # its end may still be on its way: wait briefly
+                st.charge = await budgets.admit_when_ended(req, pending)
             st.budgets = budgets
             st.take(Hold.BUDGET)
         except BudgetExceeded as exc:

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 from envoy.config.core.v3 import base_pb2
 
 from extproc.request import LLMRequest
-from extproc.xds import DESTINATION_KEY
+from extproc.xds import DESTINATION_KEY, POOL_HEADER
 
 MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
 
@@ -26,6 +26,46 @@ STRIPPED_HEADERS = (DESTINATION_KEY, "x-envoy-upstream-rq-timeout-ms",
                     "x-envoy-retry-grpc-on", "x-envoy-retriable-status-codes", "x-envoy-retriable-header-names",
                     "x-envoy-hedge-on-per-try-timeout", "x-envoy-upstream-alt-stat-name", "x-envoy-force-trace",
                     "x-envoy-upstream-stream-duration-ms")
+
+
+# What the sidecar adds to a forwarded request (responses.forward): the pool header and, with a client deadline,
+# the upstream timeout. Removals only ever shrink the headers.
+ADDED_HEADERS = (POOL_HEADER, "x-envoy-upstream-rq-timeout-ms")
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderRoom:
+    """Room for the sidecar's own headers within Envoy's header limits (gateway.max_request_headers and
+    max_request_headers_kb). Envoy checks the request after the sidecar's header mutation against the same limits
+    its codec applies to the client, and fails the request with a 503 (`header_mutation_result_exceeds_limit`) when
+    it is over: a request within `added` headers or bytes of a limit passes the codec but could not take the
+    mutation. Such a request gets the codec's answer (431) from the sidecar instead, before it is admitted:
+
+        fits  iff  count + len(ADDED_HEADERS) <= max_count  and  size + added_bytes <= max_bytes
+
+    where count and size (keys plus values, as Envoy counts) are those of the headers the sidecar received.
+    """
+
+    max_count: int
+    max_bytes: int
+    added_bytes: int
+
+    @classmethod
+    def for_limits(cls, max_count: int, max_kb: int, clusters: Iterable[str]) -> HeaderRoom:
+        longest = max((len(c) for c in clusters), default=0)
+        added = len(POOL_HEADER) + longest + len(ADDED_HEADERS[1]) + len(str(int(MAX_DEADLINE_S * 1000)))
+        return cls(max_count, max_kb * 1024, added)
+
+    def fits(self, headers: base_pb2.HeaderMap) -> bool:
+        """The serialized size (computed in C) is an upper bound of keys plus values: the exact sum is only taken
+        near the limit."""
+        items = headers.headers
+        if len(items) + len(ADDED_HEADERS) > self.max_count:
+            return False
+        room = self.max_bytes - self.added_bytes
+        if headers.ByteSize() <= room:
+            return True
+        return sum(len(h.key) + max(len(h.raw_value), len(h.value)) for h in items) <= room
 
 
 @dataclass(slots=True)

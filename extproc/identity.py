@@ -1,20 +1,31 @@
 """Who is calling: API keys mapped to tenants, and the per-tenant limits that depend only on identity.
 
-Keys come from a file (YAML mapping `key: tenant`) and/or an environment variable
-(`key1=tenant-a,key2=tenant-b`). Only SHA-256 digests of keys are kept in memory, and a presented key is hashed
-before it is looked up: the lookup's timing can depend only on the digest, and matching a digest prefix tells an
-attacker nothing about the key (no character-by-character comparison of secrets). Keys are never logged.
+Keys come from a file (YAML mapping `key: tenant`) and/or an environment variable, in one of two forms:
+  - `key1=tenant-a,key2=tenant-b`: each entry is split at its LAST `=`, so a key may contain `=` (base64 padding:
+    `c2VjcmV0LWtleQ===delta` is the key `c2VjcmV0LWtleQ==` for tenant `delta`) and a tenant may not; entries and
+    both sides are stripped of spaces, an entry without a key or a tenant is skipped (with a warning that never
+    shows the entry);
+  - a JSON object `{"key": "tenant", ...}` (the value starts with `{`): any key, with `,`, `=`, spaces or any
+    Unicode character.
+A key is compared as the bytes the client sent (UTF-8 for a non-ASCII key). Only SHA-256 digests of keys are kept
+in memory, and a presented key is hashed before it is looked up: the lookup's timing can depend only on the digest,
+and matching a digest prefix tells an attacker nothing about the key (no character-by-character comparison of
+secrets). Keys are never logged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 import yaml
 
 from extproc.schema import non_negative, require
+
+log = logging.getLogger("sluice.identity")
 
 
 @dataclass
@@ -23,7 +34,9 @@ class TenantPolicy:
 
     auth: bool = False                 # true: a known API key is required (401 otherwise)
     keys_file: str = ""                # YAML file {api_key: tenant}
-    keys_env: str = "SLUICE_API_KEYS"  # environment variable "key=tenant,key=tenant"
+    keys_env: str = "SLUICE_API_KEYS"  # environment variable with more keys: "key=tenant,key=tenant" (split at
+                                       # the last "=": keys may hold "=", tenants may not) or a JSON object
+                                       # {"key": "tenant"} for keys with "," or any other character
     trust_tenant_header: bool = True   # auth off: the x-sluice-tenant header names the tenant (else "default")
     max_streams_per_tenant: int = 0    # open requests per tenant in this sidecar; 0 = unlimited (P12)
     stream_limits: dict[str, int] = field(default_factory=dict)  # per-tenant overrides of max_streams_per_tenant
@@ -41,7 +54,42 @@ class UnknownKey(Exception):
 
 
 def _digest(key: str) -> bytes:
+    """A configured key's digest: of its UTF-8 bytes, which is what a client sends for a non-ASCII key."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _presented_digest(key: str) -> bytes:
+    """A presented key's digest: of the header's own bytes (extproc/head.py decodes header values as latin-1,
+    which round-trips every byte)."""
+    try:
+        raw = key.encode("latin-1")
+    except UnicodeEncodeError:  # not from a header: a str of any characters
+        raw = key.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).digest()
+
+
+def parse_keys_env(raw: str, name: str = "keys_env") -> dict[str, str]:
+    """The keys of the environment variable's value (the forms are in the module docstring)."""
+    raw = raw.strip()
+    if raw.startswith("{"):
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"tenants.keys_env {name}: not a valid JSON object ({exc.msg}, "
+                             f"position {exc.pos})") from None  # type: ignore[attr-defined]
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                                 for k, v in data.items()):
+            raise ValueError(f"tenants.keys_env {name}: expected a JSON object of non-empty \"key\": \"tenant\"")
+        return data
+    keys: dict[str, str] = {}
+    for i, item in enumerate(raw.split(",")):
+        key, sep, tenant = item.rpartition("=")
+        key, tenant = key.strip(), tenant.strip()
+        if sep and key and tenant:
+            keys[key] = tenant
+        elif item.strip():
+            log.warning("tenants.keys_env %s: entry %d is not key=tenant; skipped", name, i + 1)
+    return keys
 
 
 class Identity:
@@ -66,17 +114,14 @@ class Identity:
             if not isinstance(data, dict):
                 raise ValueError(f"tenants.keys_file {path}: expected a mapping of api_key: tenant")
             keys.update({str(k): str(v) for k, v in data.items()})
-        raw = os.environ.get(self.policy.keys_env, "") if self.policy.keys_env else ""
-        for item in filter(None, (part.strip() for part in raw.split(","))):
-            key, sep, tenant = item.partition("=")
-            if sep and key and tenant:
-                keys[key] = tenant
+        if self.policy.keys_env:
+            keys.update(parse_keys_env(os.environ.get(self.policy.keys_env, ""), self.policy.keys_env))
         return keys
 
     def tenant_for(self, api_key: str | None, header_tenant: str) -> str:
         """The tenant of a request. Raises UnknownKey when auth is on and the key is missing or unknown."""
         if api_key:
-            digest = _digest(api_key)
+            digest = _presented_digest(api_key)
             tenant = self._tenants.get(digest)
             if tenant is not None:
                 return tenant

@@ -49,7 +49,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 _JSON_CT = _header("content-type", "application/json")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 431: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 

@@ -63,6 +63,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         return
                 elif kind == "request_headers":
                     await write(gw.on_request_headers(st, msg.request_headers))
+                    if st.ended:  # answered at the headers (e.g. a 401): nothing more to read
+                        return
                 elif kind == "response_headers":
                     await write(gw.on_response_headers(st, msg.response_headers))
                 elif kind == "response_trailers":

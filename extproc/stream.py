@@ -5,11 +5,11 @@ Modelled on Envoy's ext_proc `ProcessorState`: every state is named (with what i
 goes through `Stream.move`, which refuses a change the table `TRANSITIONS` does not list:
 
     NEW ──headers──► HEADERS ──body──► QUEUED ──dispatched──► FORWARDED ──response headers──► RESPONDING
-     │                 │ │                │                   │  │  │                            │   │
-     │                 │ └────────────────┼──── fits now ────►┘  │  └──► DETACHED                │   │
-     └─ no body ───────┴─► REJECTED ◄─────┘ shed, expired        │       (the access log ends it) │   │
-                                                                 ├──► CUT ◄─────────────────────┘   │
-                                                                 └──► DONE ◄────────────────────────┘
+     │ │               │ │                │                   │  │  │                            │   │
+     │ │               │ └────────────────┼──── fits now ────►┘  │  └──► DETACHED                │   │
+     │ └─ no body, ────┴─► REJECTED ◄─────┘ shed, expired        │       (the access log ends it) │   │
+     │    bad key, too many headers                              ├──► CUT ◄─────────────────────┘   │
+     └──► PASSED (Envoy's own route answers)                     └──► DONE ◄────────────────────────┘
                                                                       (trailers, the last body chunk)
 
 What a stream holds is a set of `Hold` bits, taken in the order they are declared; `Gateway.finish` releases
@@ -46,6 +46,7 @@ class State(enum.IntEnum):
     CUT = 6         # the sidecar cuts it (slow consumer): client and replica are reset
     DONE = 7        # the response's end was seen (trailers, or the last body chunk when observed)
     REJECTED = 8    # the sidecar answered it itself (an immediate response); it never reached a replica
+    PASSED = 9      # a request without a body for Envoy's own routes (/v1/models), its key valid: Envoy answers it
 
     @property
     def label(self) -> str:
@@ -53,7 +54,7 @@ class State(enum.IntEnum):
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.NEW: frozenset({State.HEADERS, State.REJECTED}),
+    State.NEW: frozenset({State.HEADERS, State.REJECTED, State.PASSED}),
     State.HEADERS: frozenset({State.QUEUED, State.FORWARDED, State.REJECTED}),
     State.QUEUED: frozenset({State.FORWARDED, State.REJECTED}),
     State.FORWARDED: frozenset({State.DETACHED, State.RESPONDING, State.DONE, State.CUT}),
@@ -62,6 +63,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.CUT: frozenset(),
     State.DONE: frozenset(),
     State.REJECTED: frozenset(),
+    State.PASSED: frozenset(),
 }
 
 
@@ -134,5 +136,9 @@ class Stream:
 
     @property
     def ended(self) -> bool:
-        """Nothing more passes on this ext_proc stream (the access log reports the request's end)."""
-        return self.state is State.DETACHED
+        """Nothing more passes on this ext_proc stream: the sidecar ends it itself (an RPC the sidecar closes costs
+        less than one Envoy cancels, see docs/reliability.md). A detached request's end comes from the access log."""
+        return self.state in _ENDED
+
+
+_ENDED = frozenset({State.DETACHED, State.REJECTED, State.PASSED})

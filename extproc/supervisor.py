@@ -191,7 +191,7 @@ class Stack:
         (self.run_dir / "policy.yaml").write_text(yaml.safe_dump(policy_to_dict(self.policy), sort_keys=False))
         render(self.policy, self.run_dir / "envoy", self.mode, baseline=self.baseline)
         self.children = self._build_children()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = self.child_env()
         try:
             for child in self.children:
                 child.start(env)
@@ -202,6 +202,11 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def child_env() -> dict[str, str]:
+        """The environment every child starts (and restarts) with."""
+        return dict(os.environ, PYTHONUNBUFFERED="1")
 
     def _wait_ready(self, child: Child, deadline: float) -> None:
         while time.monotonic() < deadline:

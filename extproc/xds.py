@@ -19,7 +19,12 @@ from typing import Any
 
 import betterproto2
 import yaml
-from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapDynamicResources
+from envoy_data_plane.envoy.config.bootstrap.v3 import (
+    Admin,
+    Bootstrap,
+    BootstrapDynamicResources,
+    MemoryAllocatorManager,
+)
 from envoy_data_plane.envoy.config.cluster.v3 import (
     CircuitBreakers,
     CircuitBreakersThresholds,
@@ -52,7 +57,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     WatchedDirectory,
 )
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
-from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener, ListenerFilter
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
     DirectResponseAction,
@@ -66,6 +71,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
 )
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    ExtProcOverrides,
     ExtProcPerRoute,
     MetadataOptions,
     MetadataOptionsMetadataNamespaces,
@@ -74,6 +80,7 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ProcessingModeHeaderSendMode,
 )
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+from envoy_data_plane.envoy.extensions.filters.listener.http_inspector.v3 import HttpInspector
 from envoy_data_plane.envoy.config.accesslog.v3 import (
     AccessLogFilter,
     ComparisonFilter,
@@ -252,6 +259,14 @@ def sidecar_addresses(policy: Policy) -> list[str]:
     return [f"{policy.sidecar.host}:{policy.sidecar.grpc_port + i}" for i in range(policy.sidecar.workers)]
 
 
+def request_receive_timeout_s(policy: Policy) -> float:
+    """Envoy's HCM request_timeout: runs from a request's first byte until it is passed to a replica, so it covers
+    the body upload and the sidecar's queue hold (never the response). Derived: the longest hold plus a minute."""
+    if policy.gateway.request_receive_timeout_s > 0:
+        return policy.gateway.request_receive_timeout_s
+    return policy.sidecar.max_queue_wait_ms / 1000.0 + 60.0
+
+
 def stream_idle_timeout_s(policy: Policy) -> float:
     """Longer than the longest queue hold plus a slow first token, so only truly stalled streams are cut (P13)."""
     if policy.gateway.stream_idle_timeout_s > 0:
@@ -343,8 +358,21 @@ def _route_action(policy: Policy, mode: str, cluster: str | None) -> RouteAction
     return action
 
 
-def _no_ext_proc() -> dict[str, PbAny]:
-    return {"envoy.filters.http.ext_proc": PbAny.pack(ExtProcPerRoute(disabled=True))}
+def _direct_route_ext_proc(policy: Policy) -> dict[str, PbAny]:
+    """ext_proc on the routes Envoy answers itself (/v1/models, the JSON 404 and 415). Auth off: none, the sidecar
+    is not bothered. Auth on: the sidecar sees the request headers only and refuses a missing or unknown key with
+    its 401 before Envoy's own answer (no key, no model list and no hint of which paths exist); with the sidecar
+    down these fail as the policy's failure mode says, like the inference routes."""
+    if not policy.tenants.auth:
+        return {"envoy.filters.http.ext_proc": PbAny.pack(ExtProcPerRoute(disabled=True))}
+    skip = ProcessingModeHeaderSendMode.SKIP
+    headers_only = ProcessingMode(
+        request_header_mode=ProcessingModeHeaderSendMode.SEND, request_body_mode=ProcessingModeBodySendMode.NONE,
+        request_trailer_mode=skip, response_header_mode=skip, response_body_mode=ProcessingModeBodySendMode.NONE,
+        response_trailer_mode=skip)
+    overrides = ExtProcOverrides(processing_mode=headers_only,
+                                 failure_mode_allow=policy.sidecar.failure_mode_allow)
+    return {"envoy.filters.http.ext_proc": PbAny.pack(ExtProcPerRoute(overrides=overrides))}
 
 
 def _direct_json(status: int, payload: dict[str, Any]) -> DirectResponseAction:
@@ -363,7 +391,7 @@ SIDECAR_UNAVAILABLE = {"error": {
     "type": "service_unavailable", "param": None, "code": "sidecar_unavailable"}}
 
 
-def _wrong_content_type_route(path: str) -> Route:
+def _wrong_content_type_route(policy: Policy, path: str) -> Route:
     """A body that says it is not JSON (text/plain, form-encoded ...) is refused by Envoy with a JSON 415 before it
     is buffered or reaches the sidecar: vLLM would answer FastAPI's 422 in a non-OpenAI shape. A missing
     content-type is accepted, as vLLM does."""
@@ -376,19 +404,20 @@ def _wrong_content_type_route(path: str) -> Route:
         direct_response=_direct_json(415, {"error": {
             "message": "request bodies must be JSON: send content-type: application/json",
             "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}}),
-        typed_per_filter_config=_no_ext_proc(),
+        typed_per_filter_config=_direct_route_ext_proc(policy),
         response_headers_to_add=[HeaderValueOption(header=HeaderValue(key="content-type",
                                                                       value="application/json"))])
 
 
 def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
     """sluice mode: inference paths go through the sidecar (which sets the pool header); /v1/models is answered
-    by Envoy from the policy; anything else is a JSON 404 without bothering the sidecar or a replica."""
+    by Envoy from the policy; anything else is a JSON 404 without bothering a replica (nor the sidecar, unless
+    API keys are required: see _direct_route_ext_proc)."""
     routes: list[Route] = []
     json_ct = [HeaderValueOption(header=HeaderValue(key="content-type", value="application/json"))]
     if mode == "sluice":
         for path in INFERENCE_PATHS:
-            routes.append(_wrong_content_type_route(path))
+            routes.append(_wrong_content_type_route(policy, path))
         fail_open = policy.sidecar.failure_mode_allow
         for path in INFERENCE_PATHS:
             # Fail-closed (default): every inference request takes this route; one the sidecar did not pin (it was
@@ -405,13 +434,13 @@ def render_route_config(policy: Policy, mode: str) -> RouteConfiguration:
                                     route=_route_action(policy, mode, policy.default_pool.cluster)))
         routes.append(Route(name="models", match=RouteMatch(path="/v1/models"),
                             direct_response=_direct_json(200, models_payload(policy)),
-                            typed_per_filter_config=_no_ext_proc(), response_headers_to_add=json_ct))
+                            typed_per_filter_config=_direct_route_ext_proc(policy), response_headers_to_add=json_ct))
         routes.append(Route(name="unknown", match=RouteMatch(prefix="/"),
                             direct_response=_direct_json(404, {"error": {
                                 "message": "unknown endpoint: sluice serves /v1/chat/completions, "
                                            "/v1/completions and /v1/models",
                                 "type": "not_found_error", "param": None, "code": "unknown_endpoint"}}),
-                            typed_per_filter_config=_no_ext_proc(), response_headers_to_add=json_ct))
+                            typed_per_filter_config=_direct_route_ext_proc(policy), response_headers_to_add=json_ct))
     else:
         routes.append(Route(name="default-pool", match=RouteMatch(prefix="/"),
                             route=_route_action(policy, mode, policy.default_pool.cluster)))
@@ -443,10 +472,14 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
     other_errors = _cel("response.code >= 400 && !response.code_details.startsWith('sluice_')"
                         " && response.code_details != 'direct_response'")
     retry_after = HeaderValueOption(header=HeaderValue(key="retry-after", value="1"))
+    # The codec's 431 (too many headers, or too large): the sidecar's own 431 for the same limit is already JSON.
+    headers_too_large = _cel("response.code == 431 && !response.code_details.startsWith('sluice_')")
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=too_large, body_format_override=_json_error(
             f"request body exceeds the gateway limit of {policy.limits.max_body_bytes} bytes",
             "invalid_request_error", "request_too_large")),
+        ResponseMapper(filter=headers_too_large, body_format_override=_json_error(
+            headers_limit_message(policy), "invalid_request_error", "request_headers_too_large")),
         ResponseMapper(filter=sidecar_down, headers_to_add=[retry_after], body_format_override=_json_error(
             SIDECAR_UNAVAILABLE["error"]["message"], "service_unavailable", "sidecar_unavailable")),
         ResponseMapper(filter=any_flag, body_format_override=_json_error(
@@ -454,6 +487,13 @@ def render_local_reply(policy: Policy) -> LocalReplyConfig:
         ResponseMapper(filter=other_errors, body_format_override=_json_error(
             "%LOCAL_REPLY_BODY%", "gateway_error", "%RESPONSE_CODE_DETAILS%")),
     ])
+
+
+def headers_limit_message(policy: Policy) -> str:
+    """What a client whose headers are over the limit is told, by Envoy's codec or by the sidecar alike."""
+    gw = policy.gateway
+    return (f"request headers exceed the gateway limit of {gw.max_request_headers} headers and "
+            f"{gw.max_request_headers_kb} KiB")
 
 
 def _cel(expression: str) -> AccessLogFilter:
@@ -507,7 +547,11 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
 
         http_filters=filters,
         stream_idle_timeout=_secs(stream_idle_timeout_s(policy)),
-        request_timeout=_secs(0),
+        request_timeout=_secs(request_receive_timeout_s(policy)),
+        request_headers_timeout=_secs(gw.request_headers_timeout_s),
+        max_request_headers_kb=gw.max_request_headers_kb,
+        common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_secs(gw.connection_idle_timeout_s),
+                                                             max_headers_count=gw.max_request_headers),
         http2_protocol_options=Http2ProtocolOptions(
             max_concurrent_streams=gw.http2_max_concurrent_streams,
             initial_stream_window_size=gw.http2_stream_window_bytes,
@@ -520,7 +564,7 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
         socket_options.append(SocketOption(description="SO_SNDBUF", level=1, name=7,
                                            int_value=gw.socket_send_buffer_bytes,
                                            state=SocketOptionSocketState.STATE_PREBIND))
-    return Listener(
+    listener = Listener(
         name=LISTENER_NAME,
         address=_addr(gw.host, gw.port),
         socket_options=socket_options,
@@ -528,6 +572,15 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
         filter_chains=[FilterChain(filters=[Filter(
             name="envoy.filters.network.http_connection_manager", typed_config=PbAny.pack(hcm))])],
     )
+    if gw.request_headers_timeout_s > 0:
+        # The HCM's headers timeout starts at a request's first byte, its idle timeout is long enough for keep-alive
+        # reuse: a connection that sends nothing would keep its slot for the idle timeout. The HTTP inspector (it
+        # only peeks at the first bytes) closes it when no request line arrives within the headers timeout, before
+        # Envoy builds a connection for it (measured: 10,000 silent connections, see docs/reliability.md).
+        listener.listener_filters = [ListenerFilter(name="envoy.filters.listener.http_inspector",
+                                                    typed_config=PbAny.pack(HttpInspector()))]
+        listener.listener_filters_timeout = _secs(gw.request_headers_timeout_s)
+    return listener
 
 
 def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
@@ -548,6 +601,10 @@ def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
         admin=Admin(address=_addr(policy.gateway.admin_host, policy.gateway.admin_port)),
         dynamic_resources=BootstrapDynamicResources(lds_config=source("lds.yaml"), cds_config=source("cds.yaml")),
         overload_manager=overload,
+        # tcmalloc keeps freed pages: after a burst of connections (10,000 held ones took Envoy from 79 to 152 MB)
+        # Envoy would stay at its peak. Release free memory in the background, up to 16 MiB a second.
+        memory_allocator_manager=MemoryAllocatorManager(bytes_to_release=16 << 20,
+                                                        memory_release_interval=_secs(1)),
     )
 
 

@@ -13,6 +13,10 @@ prompt cost shift P10).
 Synchronous callers (memory store only, `budgets.is_sync`): `admit_sync(req)` / `settle_sync(charge, ...)`, same
 semantics; with Redis `settle_sync` schedules the async settle on the running loop.
 
+A request whose identity (request id, idempotency key) belongs to a request still counted in flight waits up to
+`retry.duplicate_wait_s` for that request's end to arrive before it is refused as a duplicate (409): an original
+whose client has seen its end is released when Envoy's access log reports it, up to 100 ms later.
+
 Cost: with the memory store `admit` and `settle` never yield to the event loop (no I/O); with Redis each is ONE
 round trip (a Lua script doing every check, then every charge, atomically). A request refused by `admit` leaves
 nothing charged. The order of checks: loop depth (local), duplicate in flight (409), retry share, task budget,
@@ -28,7 +32,7 @@ import os
 import time
 from typing import Any, Callable
 
-from extproc.budgets.errors import BudgetExceeded
+from extproc.budgets.errors import BudgetExceeded, OriginalInFlight
 from extproc.budgets.keys import ident
 from extproc.budgets.policy import (
     BudgetPolicy,
@@ -59,10 +63,12 @@ from extproc.budgets.tasks import TaskBudget
 from extproc.budgets.tenants import TenantBudget
 from extproc.request import LLMRequest
 
-__all__ = ["Budgets", "BudgetExceeded", "Charge", "BudgetPolicy", "StorePolicy", "RedisPolicy", "RetryPolicy",
+__all__ = ["Budgets", "BudgetExceeded", "OriginalInFlight", "Charge", "BudgetPolicy", "StorePolicy", "RedisPolicy", "RetryPolicy",
            "TaskPolicy", "TenantPolicy", "PromptShiftPolicy", "MemoryStore", "RedisStore", "PromptShiftTracker"]
 
 log = logging.getLogger("sluice.budgets")
+
+DUPLICATE_POLL_S = 0.02  # how often a request waiting for its duplicate's original tries again
 
 
 class Charge:
@@ -142,10 +148,30 @@ class Budgets:
             return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
         mem = self._memory
         res = mem.admit_sync(op) if mem is not None else await self.store.admit(op)
+        if res.code == DUPLICATE and self.policy.retry.duplicate_wait_s > 0:
+            res = await self._until_original_ends(op, res)
         return self._admitted(req, op, res)
 
+    async def admit_when_ended(self, req: LLMRequest, pending: OriginalInFlight) -> Charge:
+        """After `admit_sync` raised OriginalInFlight: admit once the original request has ended, or refuse it
+        as a duplicate (409) when it is still in flight `retry.duplicate_wait_s` later."""
+        return self._admitted(req, pending.op, await self._until_original_ends(pending.op, pending.result))
+
+    async def _until_original_ends(self, op: AdmitOp, res: AdmitResult) -> AdmitResult:
+        """Try the same admission again every DUPLICATE_POLL_S while it is a duplicate, for at most
+        `retry.duplicate_wait_s`: an original that ended is settled by then and this request is its retry; one
+        still running keeps it a duplicate."""
+        start, first_now = time.monotonic(), op.now
+        mem = self._memory
+        while res.code == DUPLICATE and time.monotonic() - start < self.policy.retry.duplicate_wait_s:
+            await asyncio.sleep(DUPLICATE_POLL_S)
+            op.now = first_now + (time.monotonic() - start)  # the caller's clock, moved on by the time waited
+            res = mem.admit_sync(op) if mem is not None else await self.store.admit(op)
+        return res
+
     def admit_sync(self, req: LLMRequest, now: float | None = None) -> Charge:
-        """`admit` for synchronous callers; memory store only (raises RuntimeError with Redis)."""
+        """`admit` for synchronous callers; memory store only (raises RuntimeError with Redis). Where `admit` would
+        wait for a duplicate's original to end, raises OriginalInFlight: await `admit_when_ended` then."""
         mem = self._memory
         if mem is None:
             raise RuntimeError("Budgets.admit_sync needs the memory store; with Redis await admit()")
@@ -154,7 +180,10 @@ class Budgets:
         op = self._admit_op(req, now)
         if op is None:
             return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
-        return self._admitted(req, op, mem.admit_sync(op))
+        res = mem.admit_sync(op)
+        if res.code == DUPLICATE and self.policy.retry.duplicate_wait_s > 0:
+            raise OriginalInFlight(op, res)
+        return self._admitted(req, op, res)
 
     def _admit_op(self, req: LLMRequest, now: float) -> AdmitOp | None:
         """Local checks (raise), then the store operation; None when no budget applies to this request."""

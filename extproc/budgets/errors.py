@@ -1,8 +1,10 @@
-"""The one exception budgets raise at admission, carrying everything the server needs for its immediate response."""
+"""The exceptions budgets raise at admission: a refusal, carrying everything the server needs for its immediate
+response; and the one case that is not decided yet (a duplicate whose original may have just ended)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 class BudgetExceeded(Exception):
@@ -43,3 +45,14 @@ class BudgetExceeded(Exception):
     def __repr__(self) -> str:
         return (f"BudgetExceeded(status={self.status}, code={self.code!r}, message={self.message!r}, "
                 f"retry_after_s={self.retry_after_s}, should_retry={self.should_retry})")
+
+
+class OriginalInFlight(Exception):
+    """Not a refusal yet (raised by `Budgets.admit_sync` only): an identity of the request belongs to a request
+    still counted in flight, which may have ended already (the end of a detached request reaches the sidecar with
+    Envoy's access log, up to its flush interval after the client saw it). `Budgets.admit_when_ended` decides."""
+
+    def __init__(self, op: Any, result: Any) -> None:
+        super().__init__("an identity of this request is still in flight")
+        self.op = op          # ops.AdmitOp, to run again
+        self.result = result  # ops.AdmitResult of the first try (DUPLICATE)

@@ -164,7 +164,7 @@ class MemoryStore:
             exp = done.get(key)
             if exp is not None and exp > now:
                 is_retry = True
-        # 2. retry share, per pool and per tenant
+        # 2. retry share: the tenant's own, then the pool's for a retry past the tenant's floor
         r = op.retry
         if r is not None:
             idx, frac = window_index(now, r.window_s)
@@ -172,9 +172,11 @@ class MemoryStore:
             if is_retry:
                 floor = scaled(r.floor, share)
                 keep = 1.0 - frac
-                for j, scope in ((0, "pool"), (2, "tenant")):
+                for j, scope in ((2, "tenant"), (0, "pool")):
                     adm = wins[j].cur + wins[j].prev * keep
                     ret = wins[j + 1].cur + wins[j + 1].prev * keep
+                    if j == 2 and ret + 1 <= floor:
+                        break  # within the tenant's own floor: no other tenant's retries can refuse it
                     allowed = max(floor, r.share * (adm + 1))
                     if ret + 1 > allowed:
                         return AdmitResult(RETRY_BUDGET, True, backend, detail=scope, used=ret, limit=allowed)

@@ -45,8 +45,9 @@ def scaled(limit: float, share: float) -> float:
 
 @dataclass(slots=True)
 class RetryCheck:
-    """The retry share, per pool and per tenant: each window name has an `:a` (admitted) and `:r` (retries)
-    counter; a retry is admitted while retries + 1 <= max(floor, share x (admitted + 1))."""
+    """The retry share, per tenant and per pool: each window name has an `:a` (admitted) and `:r` (retries)
+    counter; a scope fits while retries + 1 <= max(floor, share x (admitted + 1)). A retry needs its tenant to fit,
+    and the pool too once the tenant is past its floor (retry.py)."""
 
     pool: str
     tenant: str

@@ -69,16 +69,22 @@ class RetryPolicy:
     """
 
     enabled: bool = True              # turn the whole retry budget off (no markers written, nothing counted)
-    max_share: float = 0.1            # retries may be at most this share of admitted requests, per pool (model) and
-                                      # per tenant, over the sliding window; past it a retry is refused with 429
-                                      # and `x-should-retry: false`
+    max_share: float = 0.1            # retries may be at most this share of admitted requests, per tenant and
+                                      # per pool (model), over the sliding window; past it a retry is refused with
+                                      # 429 and `x-should-retry: false`
     window_s: float = 10.0            # the sliding window of that share
-    floor: int = 3                    # retries allowed per window whatever the share, so a quiet pool can still
-                                      # retry
+    floor: int = 3                    # retries each tenant may make per window whatever the shares, so a quiet
+                                      # tenant can still retry and no other tenant can spend them; past its floor a
+                                      # tenant's retry must fit the pool's share as well
     dedupe_window_s: float = 30.0     # how long a finished request's identities are remembered to recognise its
                                       # retry
     inflight_ttl_s: float = 600.0     # safety expiry of an in-flight marker if its settle never comes (sidecar
                                       # crash); longer than the longest request
+    duplicate_wait_s: float = 0.3     # a request whose identity is still counted in flight waits up to this long
+                                      # for that request to end before it is refused as a duplicate (409): the end
+                                      # of a finished request reaches the sidecar up to Envoy's access-log flush
+                                      # interval (100 ms) after its client saw it, and a client may resend the id
+                                      # at once. 0 = refuse at once; at most half of sidecar.message_timeout_ms
     use_idempotency_key: bool = True  # recognise retries / duplicates by the `Idempotency-Key` header
     use_request_id: bool = True       # recognise them by a reused request id (`x-request-id`)
     use_fingerprint: bool = False     # recognise them by an identical body from the same tenant. Off by default:
@@ -89,7 +95,7 @@ class RetryPolicy:
     def validate(self, path: str) -> None:
         require(0.0 <= self.max_share <= 1.0, f"{path}.max_share", f"must be in [0, 1], got {self.max_share!r}")
         positive(self, path, "window_s", "dedupe_window_s", "inflight_ttl_s")
-        non_negative(self, path, "floor")
+        non_negative(self, path, "floor", "duplicate_wait_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,13 @@ If one of those identities belongs to a request STILL in flight, the new one is 
 `duplicate_in_flight` (the openai SDK does not retry 409), so a client that timed out cannot double the load while
 the original still runs.
 
-Share cap, per pool (model) and per tenant, over a sliding window of `window_s`:
-    a retry is admitted  iff  retries + 1 <= max(floor, max_share * (admitted + 1))
-where `admitted` counts every admitted request (retries included) in the window. `floor` lets a quiet pool retry
-at all. Over the cap: 429 `retry_budget_exceeded` with `x-should-retry: false` (retrying cannot help: the pool is
+Share cap, per tenant and per pool (model), over a sliding window of `window_s`; with
+    fits(scope)  =  retries(scope) + 1 <= max(floor, max_share * (admitted(scope) + 1))
+a tenant's retry is admitted  iff  fits(tenant) and (retries(tenant) + 1 <= floor or fits(pool)),
+where `admitted` counts every admitted request (retries included) in the window. `floor` lets a quiet tenant
+retry at all, and it is the tenant's own: another tenant's retries never refuse it. Past its floor a tenant's retry
+must fit the pool's share as well, so the floors of many tenants cannot add up to a retry storm on one pool. Over
+the cap: 429 `retry_budget_exceeded` with `x-should-retry: false` (retrying cannot help: the tenant or the pool is
 already retrying too much) and Retry-After = the window.
 
 The checks and the counters live in the store's combined admit (one round trip with Redis).

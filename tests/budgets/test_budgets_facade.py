@@ -120,7 +120,7 @@ async def test_no_checks_configured_is_free() -> None:
 
 @pytest.mark.asyncio
 async def test_sync_variants(make_budgets) -> None:
-    b = await make_budgets(tasks={"max_calls": 2})
+    b = await make_budgets(tasks={"max_calls": 2}, retry={"duplicate_wait_s": 0})
     if make_budgets.kind == "redis":
         assert not b.is_sync
         with pytest.raises(RuntimeError, match="memory store"):

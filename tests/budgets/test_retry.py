@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from prometheus_client import REGISTRY
 
-from extproc.budgets import BudgetExceeded
+from extproc.budgets import BudgetExceeded, Budgets, OriginalInFlight
+from extproc.config import parse_section
 
 from .conftest import req
 
@@ -26,7 +30,7 @@ async def test_share_cap_with_floor(make_budgets) -> None:
     assert admitted == 3
     e = exc.value
     assert (e.status, e.code, e.should_retry) == (429, "retry_budget_exceeded", False)
-    assert "pool quiet" in e.message and e.retry_after_s == 10.0
+    assert "tenant acme" in e.message and e.retry_after_s == 10.0
     assert ("x-should-retry", "false") in e.headers()
 
     # A busy pool: 100 first attempts, then retries while retries + 1 <= 0.1 * (admitted + 1): exactly 11.
@@ -44,6 +48,43 @@ async def test_share_cap_with_floor(make_budgets) -> None:
     assert admitted == 11
     after = REGISTRY.get_sample_value("sluice_budget_retries_rejected_total", labels)
     assert after - before == 19
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_cannot_spend_another_tenants_retries(make_budgets) -> None:
+    """Issue #19, finding 3: ten retries from one tenant made another tenant's first retry a 429 (the pool-wide
+    cap). Each tenant's first `floor` retries now pass whatever the others did; past them its own share applies."""
+    b = await make_budgets()
+    refused = 0
+    for _ in range(10):
+        try:
+            await b.admit(req(tenant="noisy", retry_count=1), now=T0)
+        except BudgetExceeded as e:
+            assert "tenant noisy" in e.message
+            refused += 1
+    assert refused == 7  # the noisy tenant's floor of 3 passed
+    for _ in range(3):  # the quiet tenant's first retries, with no first attempts of its own in the window
+        assert (await b.admit(req(tenant="quiet", retry_count=1), now=T0 + 0.5)).is_retry
+    with pytest.raises(BudgetExceeded, match="tenant quiet"):
+        await b.admit(req(tenant="quiet", retry_count=1), now=T0 + 0.5)
+
+
+@pytest.mark.asyncio
+async def test_pool_cap_applies_past_a_tenants_floor(make_budgets) -> None:
+    """Past its floor a tenant's retry must fit the pool's share too: floors of many tenants count against it.
+    Five tenants spend their floors (15 retries); a busy tenant with 100 first attempts then gets its own floor
+    (3), and its next retry, within its own share (4 <= 0.1 x 104), is refused by the pool's (19 > 0.1 x 119)."""
+    b = await make_budgets()
+    for t in range(5):
+        for _ in range(3):
+            await b.admit(req(tenant=f"t{t}", retry_count=1), now=T0)
+    for _ in range(100):
+        await b.admit(req(tenant="busy"), now=T0)
+    for _ in range(3):
+        await b.admit(req(tenant="busy", retry_count=1), now=T0)
+    with pytest.raises(BudgetExceeded, match="pool m") as exc:
+        await b.admit(req(tenant="busy", retry_count=1), now=T0)
+    assert exc.value.status == 429 and not exc.value.should_retry
 
 
 @pytest.mark.asyncio
@@ -98,7 +139,7 @@ async def test_detection_by_key_fingerprint_and_request_id(make_budgets) -> None
 
 @pytest.mark.asyncio
 async def test_duplicate_in_flight_is_409_and_charges_nothing(make_budgets) -> None:
-    b = await make_budgets(tasks={"max_calls": 2}, retry={"use_fingerprint": True})
+    b = await make_budgets(tasks={"max_calls": 2}, retry={"use_fingerprint": True, "duplicate_wait_s": 0})
     body = b"\x02" * 16
     running = await b.admit(req(body=body, task_id="t-1"), now=T0)
     before = REGISTRY.get_sample_value("sluice_budget_retries_rejected_total",
@@ -144,3 +185,42 @@ async def test_fingerprint_detection_can_be_disabled(make_budgets) -> None:
     await b.admit(req(body=body), now=T0)
     c = await b.admit(req(body=body), now=T0)  # identical concurrent bodies are fine then
     assert not c.is_retry
+
+
+@pytest.mark.asyncio
+async def test_duplicate_waits_for_an_original_that_just_ended(make_budgets) -> None:
+    """Issue #19, finding 6: a client that resends its request id right after a complete response used to get 409
+    (the original's end reaches the sidecar with Envoy's access log, up to 100 ms later). The resend now waits up
+    to `duplicate_wait_s` for the original to end: admitted as its retry; a duplicate of a request still running
+    is refused after that wait, and only once counted."""
+    b = await make_budgets(retry={"duplicate_wait_s": 0.4})
+    original = await b.admit(req(request_id="rid-w"), now=T0)
+
+    async def end_original_soon() -> None:
+        await asyncio.sleep(0.1)
+        await b.settle(original, completed=True, now=T0 + 0.1)
+
+    ender = asyncio.ensure_future(end_original_soon())
+    t0 = time.monotonic()
+    again = await b.admit(req(request_id="rid-w"), now=T0 + 0.01)
+    waited = time.monotonic() - t0
+    await ender
+    assert again.is_retry and 0.08 < waited < 0.35, waited
+    before = REGISTRY.get_sample_value("sluice_budget_retries_rejected_total",
+                                       {"pool": "m", "reason": "duplicate_in_flight"}) or 0
+    t0 = time.monotonic()
+    with pytest.raises(BudgetExceeded) as exc:
+        await b.admit(req(request_id="rid-w"), now=T0 + 1)  # `again` is still in flight
+    assert exc.value.status == 409 and time.monotonic() - t0 >= 0.4
+    assert REGISTRY.get_sample_value("sluice_budget_retries_rejected_total",
+                                     {"pool": "m", "reason": "duplicate_in_flight"}) - before == 1
+
+
+@pytest.mark.asyncio
+async def test_sync_admit_hands_a_duplicate_to_the_async_wait() -> None:
+    b = Budgets(parse_section("budgets", {"retry": {"duplicate_wait_s": 0.2}}))
+    original = b.admit_sync(req(request_id="rid-s"), now=T0)
+    with pytest.raises(OriginalInFlight) as pending:
+        b.admit_sync(req(request_id="rid-s"), now=T0)
+    asyncio.get_running_loop().call_later(0.05, lambda: b.settle_sync(original, completed=True, now=T0))
+    assert (await b.admit_when_ended(req(request_id="rid-s"), pending.value)).is_retry

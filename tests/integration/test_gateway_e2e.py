@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -167,19 +169,35 @@ def test_unknown_endpoint_is_404_json(stack: Stack):
 
 
 def test_client_cannot_pin_itself(stack: Stack):
-    """A client-sent destination or pool header must not choose the replica or cluster: on an idle pool the
-    gateway always picks the first replica, so a client asking for the last one must not get it."""
+    """A client-sent destination or pool header must not choose the replica or cluster. The target is a replica
+    the gateway will not pick (drained through the admin API), so a request that reaches it was pinned by the
+    client. The replica is undrained afterwards (it comes back through slow start)."""
     target = stack.policy.default_pool.replicas[-1]
-    c = client(stack, default_headers={"x-gateway-destination-endpoint": target, "x-sluice-pool": "pool-x"})
-    served = []
-    for _ in range(4):
-        # idle pool at each request: a request's slots are released when Envoy's access log reports its end
-        assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
-        raw = c.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
-        served.append(raw.headers["x-sim-replica"])
-    assert raw.parse().choices[0].message.content
-    assert target not in served, served
+    assert admin_cli(stack, "drain", target).returncode == 0
+    try:
+        c = client(stack, default_headers={"x-gateway-destination-endpoint": target, "x-sluice-pool": "pool-x"})
+        served = []
+        for _ in range(4):
+            raw = c.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+            served.append(raw.headers["x-sim-replica"])
+        assert raw.parse().choices[0].message.content
+        assert target not in served, served
+    finally:
+        assert admin_cli(stack, "undrain", target).returncode == 0
+        assert not replica_status(stack, target)["draining"]
+
+
+def admin_cli(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "extproc.cli", *args, "--config", str(stack.run_dir / "policy.yaml")]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def replica_status(stack: Stack, address: str) -> dict:
+    proc = admin_cli(stack, "status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    pools = json.loads(proc.stdout)["sidecars"][0]["status"]["pools"]
+    return next(r for p in pools for r in p["replicas"] if r["address"] == address)
 
 
 def test_envoy_stats_show_ext_proc(stack: Stack):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import pytest
 
 from extproc.supervisor import Child, Stack, http_ok
 from tests.integration.conftest import make_stack, metric_sum, scrape, sim_metric, wait_for
@@ -103,6 +104,45 @@ def assert_settled(stack: Stack, timeout: float = 5.0, replicas: list[str] | Non
         return not any(last.values())
 
     assert wait_for(settled, timeout, 0.1), f"accounting not back to zero: {last}"
+    assert_admitted_settled(stack, timeout)
+
+
+def admitted_and_settled(stack: Stack) -> tuple[float, float]:
+    """(requests dispatched to a replica, requests with an outcome from the access log), over every sidecar worker:
+    `sluice_admitted_total` and the sum of `sluice_requests_total` over its outcomes."""
+    sc = stack.policy.sidecar
+    admitted = settled = 0.0
+    for w in range(sc.workers):
+        url = f"http://{sc.metrics_host}:{sc.metrics_port + w}/metrics"
+        admitted += metric_sum(url, "sluice_admitted_total")
+        settled += metric_sum(url, "sluice_requests_total")
+    return admitted, settled
+
+
+def assert_admitted_settled(stack: Stack, timeout: float = 10.0) -> None:
+    """Every request the sidecar dispatched got exactly one outcome (issue #19: a request refused after its
+    dispatch used to stay admitted for ever)."""
+    last = (0.0, 0.0)
+
+    def agree() -> bool:
+        nonlocal last
+        try:
+            last = admitted_and_settled(stack)
+        except (OSError, urllib.error.URLError):
+            return False
+        return last[0] == last[1]
+
+    assert wait_for(agree, timeout, 0.1), f"admitted {last[0]:g} != settled {last[1]:g}"
+
+
+@pytest.fixture(autouse=True)
+def _admitted_equals_settled_after_each_probe(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test, each gateway it used that is still running has settled everything it admitted."""
+    yield
+    for value in request.node.funcargs.values():
+        if isinstance(value, Stack) and value.mode == "sluice" and value.children and all(
+                c.alive() for c in value.children):
+            assert_admitted_settled(value)
 
 
 class BackgroundStream:

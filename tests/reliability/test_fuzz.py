@@ -279,6 +279,9 @@ async def _one_request(gw: Gateway, headers: list, body: bytes, held: list[Strea
         if first.WhichOneof("response") == "immediate_response":
             _assert_answer(first)
             return
+        if st_.ended:  # passed to Envoy's own route (no body, not an inference path): the servicer returns too
+            assert first.WhichOneof("response") == "request_headers", first
+            return
         answer = await gw.on_request_body(st_, pb.HttpBody(body=body, end_of_stream=True))
         if st_.held:
             answer = await gw.wait(st_)

@@ -4,11 +4,14 @@ listeners on loopback, no prompt text or keys in logs and metrics, bounded label
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -17,20 +20,30 @@ from extproc.supervisor import Stack
 from extproc.xds import render
 
 from .conftest import (MODEL, EchoReplica, assert_openai_error, assert_settled, chat, echo_stack, metric_sum,
-                       running_stack, scrape, wait_for)
+                       raw_http, running_stack, scrape, wait_for)
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 CHAT = "/v1/chat/completions"
 
 
 # ---- API keys -> tenants ---------------------------------------------------------------------------------------
+KEYS_ENV = f"SLUICE_TEST_KEYS_{uuid.uuid4().hex[:8]}"
+# keys given in the environment (issue #19, finding 4): base64 padding, a non-ASCII key
+ENV_KEYS = "c2VjcmV0LWtleQ===delta, ключ-7=unicode"
+
+
 @pytest.fixture(scope="module")
 def auth_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("auth")
     keys = Path(tmp) / "keys.yaml"
     keys.write_text("sk-acme-5f2c9: acme\nsk-globex-77aa1: globex\n")
-    with running_stack(tmp, {"tenants": {"auth": True, "keys_file": str(keys), "keys_env": ""}}) as s:
-        yield s
+    os.environ[KEYS_ENV] = ENV_KEYS  # the sidecar process inherits it at start
+    try:
+        with running_stack(tmp, {"tenants": {"auth": True, "keys_file": str(keys), "keys_env": KEYS_ENV}}) as s:
+            del os.environ[KEYS_ENV]
+            yield s
+    finally:
+        os.environ.pop(KEYS_ENV, None)
 
 
 @pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer sk-nope", "Basic c2stYWNtZQ==",
@@ -55,12 +68,77 @@ def test_key_decides_the_tenant_not_the_header(auth_stack: Stack) -> None:
     assert {"acme", "globex"} <= tenants and "evil" not in tenants, tenants
 
 
+def test_keys_from_the_environment_with_padding_and_unicode(auth_stack: Stack) -> None:
+    """`c2VjcmV0LWtleQ===delta` is the base64 key `c2VjcmV0LWtleQ==` for tenant delta (it used to be split at the
+    first `=`); a UTF-8 key is matched on the bytes the client sends."""
+    resp = httpx.post(auth_stack.base_url + CHAT, json=chat(), timeout=10,
+                      headers={"authorization": "Bearer c2VjcmV0LWtleQ=="})
+    assert resp.status_code == 200, resp.text
+    for wrong in ("c2VjcmV0LWtleQ", "c2VjcmV0LWtleQ="):
+        assert_openai_error(httpx.post(auth_stack.base_url + CHAT, json=chat(), timeout=10,
+                                       headers={"authorization": f"Bearer {wrong}"}), 401, "invalid_api_key")
+    body = json.dumps(chat()).encode()
+    ct = (b"content-type", b"application/json")
+    resp = raw_http(auth_stack.base_url, CHAT, body, [ct, (b"authorization", "Bearer ключ-7".encode())])
+    assert resp.status_code == 200, resp.text
+    tenants = {dict(lbls).get("tenant") for (name, lbls) in scrape(auth_stack.metrics_url)
+               if name == "sluice_tenant_open_streams"}
+    assert {"delta", "unicode"} <= tenants and "=delta" not in tenants, tenants
+
+
+def test_a_tenants_retries_leave_another_tenants_first_retry(auth_stack: Stack) -> None:
+    """Issue #19, finding 3: after one tenant's ten retries, another tenant's first retry got 429
+    `retry_budget_exceeded` (the cap was pool-wide). Now the noisy tenant is refused at its own share, and the
+    other tenant (the base64 key with `==` padding, through the openai SDK) retries as if alone."""
+    with httpx.Client(base_url=auth_stack.base_url, timeout=10) as http:
+        codes = [http.post(CHAT, json=chat(), headers={"authorization": "Bearer sk-acme-5f2c9",
+                                                       "x-stainless-retry-count": "1"}).status_code
+                 for _ in range(10)]
+    assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
+    client = openai.OpenAI(base_url=auth_stack.base_url + "/v1", api_key="c2VjcmV0LWtleQ==", max_retries=0)
+    done = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                                          extra_headers={"x-stainless-retry-count": "1"})
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert_settled(auth_stack)
+
+
+NO_KEY_PROBES = {  # name -> (method, path, body, content-type): each answer Envoy or the sidecar would give
+    "list_models": ("GET", "/v1/models", None, None),
+    "bad_json": ("POST", CHAT, b"{bad", "application/json"),
+    "unknown_model": ("POST", CHAT, json.dumps({**chat(), "model": "gpt-nope"}).encode(), "application/json"),
+    "unknown_endpoint_post": ("POST", "/v1/embeddings", b'{"model":"m","input":"x"}', "application/json"),
+    "unknown_endpoint_get": ("GET", "/admin", None, None),
+    "wrong_content_type": ("POST", CHAT, json.dumps(chat()).encode(), "text/plain"),
+    "no_body": ("GET", CHAT, None, None),
+}
+WITH_KEY = {"list_models": 200, "bad_json": 400, "unknown_model": 404, "unknown_endpoint_post": 404,
+            "unknown_endpoint_get": 404, "wrong_content_type": 415, "no_body": 400}
+
+
+@pytest.mark.parametrize("name", list(NO_KEY_PROBES))
+def test_auth_comes_before_any_other_answer(auth_stack: Stack, name: str) -> None:
+    """Issue #19, finding 7: with keys required, a request without a valid key learns nothing else (the model list,
+    which paths exist, how its body is judged): 401 first. With a valid key, the usual answer."""
+    method, path, body, ctype = NO_KEY_PROBES[name]
+    headers = {"content-type": ctype} if ctype else {}
+    with httpx.Client(base_url=auth_stack.base_url, timeout=10) as http:
+        for auth in (None, "Bearer sk-nope"):
+            h = {**headers, **({"authorization": auth} if auth else {})}
+            assert_openai_error(http.request(method, path, content=body, headers=h), 401, "invalid_api_key")
+        resp = http.request(method, path, content=body, headers={**headers, "authorization": "Bearer sk-acme-5f2c9"})
+    assert resp.status_code == WITH_KEY[name], (name, resp.status_code, resp.text[:200])
+    if resp.status_code == 200:
+        assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+    else:
+        assert_openai_error(resp, WITH_KEY[name])
+
+
 def test_api_keys_never_reach_logs_or_metrics(auth_stack: Stack) -> None:
     httpx.post(auth_stack.base_url + CHAT, json=chat(), headers={"authorization": "Bearer sk-leak-probe-9931"},
                timeout=10)
     metrics = httpx.get(auth_stack.metrics_url, timeout=5).text
     logs = "".join(p.read_text(errors="replace") for p in (auth_stack.run_dir / "logs").glob("*.log"))
-    for secret in ("sk-acme-5f2c9", "sk-globex-77aa1", "sk-leak-probe-9931"):
+    for secret in ("sk-acme-5f2c9", "sk-globex-77aa1", "sk-leak-probe-9931", "c2VjcmV0LWtleQ", "ключ"):
         assert secret not in metrics and secret not in logs
 
 

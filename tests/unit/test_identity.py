@@ -1,5 +1,7 @@
 """API keys -> tenants, auth, per-tenant open-stream limits, bounded labels."""
 
+import json
+
 import pytest
 
 from extproc.config import parse_section
@@ -59,3 +61,45 @@ def test_policy_validation():
         parse_section("tenants", {"bogus": 1})
     with pytest.raises(ValueError, match="tenants.max_streams_per_tenant"):
         parse_section("tenants", {"max_streams_per_tenant": -1})
+
+
+# ---- keys in the environment: any key bytes (issue #19, finding 4) ----------------------------------------------
+def test_env_keys_split_at_the_last_equals_sign(monkeypatch):
+    """Base64 padding: `c2VjcmV0LWtleQ==delta` used to be split at the first `=` (the key `c2VjcmV0LWtleQ` under a
+    tenant named `=delta`). Now at the last: keys may contain `=`, tenants may not."""
+    monkeypatch.setenv("TEST_KEYS", "c2VjcmV0LWtleQ==delta, c2VjcmV0LWtleQ===gamma ,plain=acme , a key = with space ")
+    ident = Identity(TenantPolicy(auth=True, keys_env="TEST_KEYS"))
+    assert ident.tenant_for("c2VjcmV0LWtleQ=", "") == "delta"
+    assert ident.tenant_for("c2VjcmV0LWtleQ==", "") == "gamma"
+    assert ident.tenant_for("plain", "") == "acme"
+    assert ident.tenant_for("a key", "") == "with space"
+    for wrong in ("c2VjcmV0LWtleQ", "c2VjcmV0LWtleQ=delta"):
+        with pytest.raises(UnknownKey):
+            ident.tenant_for(wrong, "")
+
+
+def test_env_keys_as_json_take_any_character(monkeypatch):
+    keys = {"k,with,commas": "t1", "k=with=equals==": "t2", "k with spaces": "t3", "ключ-🔑": "t4", 'q"uote': "t5"}
+    monkeypatch.setenv("TEST_KEYS", json.dumps(keys))
+    ident = Identity(TenantPolicy(auth=True, keys_env="TEST_KEYS"))
+    for key, tenant in keys.items():
+        assert ident.tenant_for(key, "") == tenant
+    # what head.py makes of the client's header bytes (latin-1 of the UTF-8): the same key
+    assert ident.tenant_for("ключ-🔑".encode().decode("latin-1"), "") == "t4"
+    with pytest.raises(UnknownKey):
+        ident.tenant_for("k", "")
+
+
+@pytest.mark.parametrize("raw", ['{"k": 5}', '{"k": ""}', "{not json", '{"": "t"}'])
+def test_env_keys_invalid_json_is_a_start_error_that_shows_no_key(monkeypatch, raw):
+    monkeypatch.setenv("TEST_KEYS", raw)
+    with pytest.raises(ValueError, match="TEST_KEYS") as exc:
+        Identity(TenantPolicy(keys_env="TEST_KEYS"))
+    assert '"k"' not in str(exc.value)
+
+
+def test_env_keys_skipped_entries_are_logged_without_the_key(monkeypatch, caplog):
+    monkeypatch.setenv("TEST_KEYS", "sk-good=acme,sk-secret-no-tenant=,=lonely")
+    ident = Identity(TenantPolicy(keys_env="TEST_KEYS"))
+    assert ident.tenant_for("sk-good", "") == "acme"
+    assert "entry 2" in caplog.text and "entry 3" in caplog.text and "sk-secret" not in caplog.text

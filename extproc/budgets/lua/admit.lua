@@ -31,12 +31,13 @@ if r_on then
     local floor_ = tonumber(a[7])
     local keep = 1 - tonumber(a[8])
     local scopes = {'pool', 'tenant'}
-    for j = 0, 1 do
+    for j = 1, 0, -1 do  -- the tenant's own share first; the pool's only past the tenant's floor
       local b = rk + j * 4
       local adm = tonumber(redis.call('GET', KEYS[b + 1]) or '0')
                   + tonumber(redis.call('GET', KEYS[b + 2]) or '0') * keep
       local ret = tonumber(redis.call('GET', KEYS[b + 3]) or '0')
                   + tonumber(redis.call('GET', KEYS[b + 4]) or '0') * keep
+      if j == 1 and ret + 1 <= floor_ then break end
       local allowed = math.max(floor_, share * (adm + 1))
       if ret + 1 > allowed then return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed)} end
     end
