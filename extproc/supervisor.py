@@ -125,7 +125,7 @@ class Stack:
         """(model, address) of each replica `sluice up` must simulate."""
         if not self.policy.simulator.enabled:
             return []
-        return [(p.model, a) for p in self.policy.pools for a in p.replicas if is_loopback(split_addr(a)[0])]
+        return [(p.model, a) for p in self.policy.pools for a in p.addresses if is_loopback(split_addr(a)[0])]
 
     def _ports_to_check(self) -> list[tuple[str, str, int]]:
         gw, sc = self.policy.gateway, self.policy.sidecar
