@@ -21,7 +21,7 @@ from extproc.discovery.eds import write_eds
 
 if TYPE_CHECKING:
     from extproc.config import Policy, PoolConfig
-    from extproc.discovery.dns import DnsDiscovery
+    from extproc.discovery.dns import DnsDiscovery, Lookup
     from extproc.fleet import Fleet
 
 log = logging.getLogger("sluice.endpoints")
@@ -36,10 +36,12 @@ class Endpoints:
     """Discovery for one sidecar process. `xds_out`: the directory Envoy watches, where worker 0 keeps the EDS
     files of the pools found at run time (None: another process writes them, or Envoy is not sluice's own)."""
 
-    def __init__(self, fleet: Fleet, policy: Policy, xds_out: str | Path | None = None) -> None:
+    def __init__(self, fleet: Fleet, policy: Policy, xds_out: str | Path | None = None,
+                 lookup: Lookup | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.xds_out = Path(xds_out) if xds_out is not None else None
+        self.lookup = lookup  # name -> addresses; None: the system resolver (tests pass their own)
         self.dns: DnsDiscovery | None = None
         self.kubernetes: dict[str, Any] = {}  # pool -> KubernetesDiscovery
 
@@ -77,7 +79,7 @@ class Endpoints:
         # a pool reads as a whole; one interval for the process keeps the lookups of a round together).
         first = next(p for p in self.policy.pools if p.model in named).discovery
         self.dns = DnsDiscovery(named, interval_s=first.interval_s, timeout_s=first.timeout_s,
-                                remove_after=first.remove_after)
+                                remove_after=first.remove_after, lookup=self.lookup)
         self.dns.listeners.append(self.apply)
 
     async def _start_kubernetes(self, pool: PoolConfig) -> None:

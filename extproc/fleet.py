@@ -139,6 +139,8 @@ class Fleet:
             r, joined = pool.add_replica(address)
             if joined and not diff.initial:
                 health.start_slow(r)
+            elif joined:
+                health.register(r)
         gone = set(diff.removed)
         if diff.initial:
             gone |= {r.address for r in pool.replicas} - set(diff.added)

@@ -370,6 +370,10 @@ class HealthTracker:
         tr.metrics.state(r.state, r.weight)
         log.info("replica %s/%s joined the pool (%s): slow start at weight %g", r.pool, r.address, reason, r.weight)
 
+    def register(self, r: Replica) -> None:
+        """A replica that joined the pool as part of its starting set: its state and weight series appear now."""
+        self._track(r)
+
     def forget(self, address: str) -> None:
         """The replica left the pool: drop what the tracker remembers of it."""
         self._tracks.pop(address, None)

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from extproc.admission.placement import Placer
-from extproc.config import PolicyError, parse_section
+from extproc.config import PolicyError, parse_section, policy_from_dict
 from extproc.request import LLMRequest
 from extproc.routing.policy import SharedLoadPolicy
 from extproc.routing.pool import EngineState, Pool, Replica
@@ -162,3 +162,60 @@ def test_policy_bounds(bad):
     with pytest.raises(PolicyError) as exc:
         parse_section("routing", {"shared_load": bad})
     assert "routing.shared_load." in str(exc.value)
+
+
+async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_is_lost(redis_proc):
+    """Two sidecars' Fleets wired as serve() wires them (shared_load_from_policy): the second sees the first's
+    requests in flight on a replica and places elsewhere; with Redis gone it is back to its own placements and the
+    scrapes (today's behaviour: that replica looks empty again); Redis back, the view returns by itself."""
+    from extproc.fleet import Fleet
+    from extproc.routing.shared_load import shared_load_from_policy
+
+    data = {"pools": [{"model": "m", "replicas": ["10.5.0.1:8000", "10.5.0.2:8000"]}],
+            "admission": {"kv_capacity_tokens": 10_000, "max_concurrency_per_replica": 4},
+            "budgets": {"store": {"kind": "redis", "redis": {"url": redis_proc.url,
+                                                             "key_prefix": f"t-{uuid.uuid4().hex[:6]}:"}}},
+            "routing": {"shared_load": {"interval_s": 0.05, "stale_after_s": 0.5, "max_backoff_s": 0.2}}}
+    policy = policy_from_dict(data)
+    fleets = [Fleet(policy), Fleet(policy)]
+    views = [shared_load_from_policy(policy, i, f.local_view, f.on_shared_view) for i, f in enumerate(fleets)]
+    req = LLMRequest(request_id="x", endpoint="chat", model="m", stream=True, prompt_tokens=500,
+                     max_output_tokens=1500)
+    one, two = fleets
+    r1 = one.pools["m"].replicas[0]
+    for _ in range(3):
+        one.placers["m"].commit(r1, req, 0, 0.0)  # gateway one: 3 requests, 6,000 tokens on replica 1
+    two_r1, two_r2 = two.pools["m"].replicas
+    try:
+        for v in views:
+            await v.start()
+        for _ in range(100):
+            if two_r1.shared_requests == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert (two_r1.shared_requests, two_r1.shared_tokens) == (3, 6000)
+        assert two_r1.kv_used_tokens() == 6000 and two_r2.kv_used_tokens() == 0
+        assert two.placers["m"].choose(req, 0, 0.0)[0] is two_r2
+        two_r2.note_shared(0, 0)
+        # with a fourth request replica 1 would be over the KV limit for gateway two as well
+        assert two.placers["m"].why_not(two_r1, LLMRequest(
+            request_id="y", endpoint="chat", model="m", stream=True, prompt_tokens=2000, max_output_tokens=2000),
+            0, 0.0, 10.0) == "kv_full"
+
+        redis_proc.kill()
+        for _ in range(100):
+            if views[1].degraded:
+                break
+            await asyncio.sleep(0.02)
+        assert views[1].degraded and two_r1.shared_requests == 0 and two_r1.kv_used_tokens() == 0
+        assert two.placers["m"].why_not(two_r1, req, 0, 0.0, 10.0) is None  # alone, as a single sidecar places
+
+        redis_proc.start()
+        for _ in range(200):
+            if two_r1.shared_requests == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert not views[1].degraded and two_r1.shared_tokens == 6000
+    finally:
+        for v in views:
+            await v.stop()
