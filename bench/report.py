@@ -6,14 +6,21 @@ show its problem is marked "problem not reproduced": the scenario is wrong, not 
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.scenarios.base import Scenario
+from bench.scenarios.base import Metric, Scenario
 
-SYSTEM_ORDER = ("envoy-rr", "envoy-lr", "sluice")
+SYSTEM_ORDER = ("envoy-rr", "envoy-tuned", "smg", "sluice")
+COMMON = (  # every scenario's whole-cost metrics (bench/scenarios/base.py: slo_metrics, worst_class_ratio)
+    ("slo_goodput_rps", "user requests meeting the scenario's SLO (first token within the SLO from the first send, "
+                        "retries included, and completed) per second of offered load", "req/s", "higher"),
+    ("worst_class_ratio", "sluice only: min over classes of its class SLO goodput / the best baseline's "
+                          "(refused-by-design classes left out)", "x", "higher"),
+)
 
 
 def git_commit() -> str:
@@ -62,23 +69,63 @@ def reproduced_label(flag: bool | None) -> str:
     return "yes" if flag else "**problem not reproduced**"
 
 
+def metric_docs(sc: Scenario) -> dict[str, Metric]:
+    docs = {k: Metric(k, doc, unit, better) for k, doc, unit, better in COMMON}
+    docs.update({m.key: m for m in sc.metrics_doc})
+    return docs
+
+
+PER_CLASS = ("class_slo_goodput", "class_ttft_p95_s", "class_failed", "class_calls")
+
+
+def class_table(by_system: dict[str, dict[str, Any]], refused: tuple[str, ...] = ()) -> str:
+    """Per class: SLO goodput (req/s), TTFT p95 from the first send (censored, s), failed / offered calls."""
+    systems = ordered_systems(list(by_system))
+    classes: list[str] = []
+    for s in systems:
+        for c in ((by_system.get(s) or {}).get("class_calls") or {}):
+            if c not in classes:
+                classes.append(c)
+    if not classes:
+        return ""
+    lines = ["| class | " + " | ".join(f"{s}: goodput / p95 / failed" for s in systems) + " |",
+             "|---|" + "---|" * len(systems)]
+    for c in classes:
+        cells = []
+        for s in systems:
+            m = by_system.get(s) or {}
+            g = (m.get("class_slo_goodput") or {}).get(c)
+            p = (m.get("class_ttft_p95_s") or {}).get(c)
+            f = (m.get("class_failed") or {}).get(c)
+            n = (m.get("class_calls") or {}).get(c)
+            cells.append(f"{fmt(g)} / {fmt(p)} / {fmt(f)} of {fmt(n)}")
+        label = c + (" (refused by design)" if c in refused else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render_table(sc: Scenario, by_system: dict[str, dict[str, Any]], reproduced: bool | None = None,
                  why: str = "", errors: dict[str, str] | None = None) -> str:
-    """The scenario's table: one row per headline metric, one column per system."""
+    """The scenario's table: one row per metric, one column per system; then the per-class table."""
     systems = ordered_systems(list(by_system))
-    keys = [m.key for m in sc.metrics_doc]
+    docs = metric_docs(sc)
+    keys = list(docs)
     for s in systems:
-        for k in by_system.get(s) or {}:
-            if k not in keys:
+        for k, v in (by_system.get(s) or {}).items():
+            if k not in keys and not isinstance(v, (dict, list)) and k != "worst_class":
                 keys.append(k)
-    docs = {m.key: m for m in sc.metrics_doc}
+    keys = [k for k in keys if k not in PER_CLASS and k != "refused_classes"]
     lines = [f"| metric | {' | '.join(systems)} | better |", "|---|" + "---|" * len(systems) + "---|"]
     for k in keys:
         m = docs.get(k)
         label = f"`{k}`" + (f" ({m.unit})" if m and m.unit else "")
         cells = [fmt((by_system.get(s) or {}).get(k)) for s in systems]
+        if k == "worst_class_ratio" and (by_system.get("sluice") or {}).get("worst_class"):
+            cells = [c + (f" ({by_system['sluice']['worst_class']})" if s == "sluice" else "")
+                     for c, s in zip(cells, systems)]
         lines.append(f"| {label} | {' | '.join(cells)} | {m.better if m else ''} |")
-    out = "\n".join(lines)
+    out = "\n".join(lines) + "\n\nPer class (SLO goodput req/s / TTFT p95 from the first send, s, censored / " \
+        "calls that failed of those offered):\n\n" + class_table(by_system, sc.refused_classes)
     out += f"\n\nProblem reproduced on envoy-rr: {reproduced_label(reproduced)}" + (f" ({why})" if why else "") + "\n"
     for s, err in (errors or {}).items():
         if err:
@@ -91,9 +138,15 @@ def scenario_section(sc: Scenario, by_system: dict[str, dict[str, Any]], meta: d
     sid = sc.id
     doc = sc.describe()
     ts = sc.time_scale
+    policy = (meta.get("sluice_policy") or {}).get(sid)
     parts = [f"{heading} {sid}: {sc.title}", "", doc, "",
              f"Replicas: {sc.replicas} x `{sc.preset}` simulator, time_scale {ts:g} "
              f"(time metrics in scenario seconds = wall x {ts:g}).", ""]
+    if policy is not None:
+        parts += [f"Sluice's additions to its shipped defaults (`_meta.sluice_policy`): `{json.dumps(policy)}`", ""]
+    tuned = ((meta.get("baselines") or {}).get(sid) or {}).get("envoy-tuned")
+    if tuned:
+        parts += [f"envoy-tuned sized with: `{json.dumps(tuned)}`", ""]
     parts.append(render_table(sc, by_system, (meta.get("reproduced") or {}).get(sid), (meta.get("why") or {}).get(sid, ""),
                               (meta.get("errors") or {}).get(sid)))
     runs = (meta.get("runs") or {}).get(sid) or {}
@@ -104,8 +157,7 @@ def scenario_section(sc: Scenario, by_system: dict[str, dict[str, Any]], meta: d
         parts.append("Wall time per system-run (s, including stack start): "
                      + ", ".join(f"{s} {info.get('wall_s', 'error')}" for s, info in runs.items()) + "\n")
     if plots_rel is not None:
-        pngs = ", ".join(f"[{s}]({plots_rel}/{sid}-{s}.png)" for s in ordered_systems(list(by_system)))
-        parts.append(f"Plots (TTFT over time, per-replica KV usage and queues; generated, not committed): {pngs}\n")
+        parts.append(f"![{sid}: TTFT over time and KV usage per replica, every system]({plots_rel}/{sid}.png)\n")
     metric_docs = "\n".join(f"- `{m.key}`: {m.doc}" for m in sc.metrics_doc)
     parts.append("Metrics:\n" + metric_docs + "\n")
     return "\n".join(parts)
@@ -133,24 +185,37 @@ open-loop workload (arrival times fixed in advance, streaming requests; TTFT = t
 event), polls every replica's `/sim/state` every 250 ms, injects the scenario's faults, stops the stack and
 computes the metrics. Systems:
 
-- `envoy-rr`: Envoy, round robin, no ext_proc: the baseline that must show each problem;
-- `envoy-lr`: Envoy least_request + retries (5xx, reset) + outlier detection: the best Envoy alone offers;
-- `sluice`: Envoy + the sluice ext_proc sidecar with the scenario's policy knobs.
+- `envoy-rr`: Envoy, round robin, Envoy's defaults, no ext_proc: the naive baseline that must show each problem;
+- `envoy-tuned`: Envoy as an experienced operator configures it for an LLM pool (least_request with slow start,
+  circuit breakers sized to replicas x max_num_seqs, active /health checks, outlier detection, retries on reset /
+  connect-failure / 503 on other hosts within a retry budget, admission_control, a per-tenant local_ratelimit
+  where the scenario has tenants): `extproc/baselines.py`, each choice explained there;
+- `smg`: the Shepherd Model Gateway (`smg launch --policy cache_aware`, its retries, circuit breaker, health checks
+  and overload protection as shipped);
+- `sluice`: Envoy + the sluice ext_proc sidecar at its shipped defaults, told only the scenario's deployment facts
+  (the SLO as `admission.ttft_target_s`, tenants, a task budget), listed above each table.
+
+Clients are the openai SDK by default (max_retries 2 with its backoff and jitter, honouring retry-after and
+x-should-retry, sending x-stainless-retry-count and x-stainless-read-timeout; `bench/openloop.py`). Every
+scenario reports `slo_goodput_rps` (user requests whose first token came within the scenario's SLO of their
+first send, retries included, and that completed, per second of offered load), the same per class with each
+class's TTFT p95 from the first send (requests without a first token censored at the time their user waited,
+failures counted next to it), and for sluice `worst_class_ratio` (its worst class against the best baseline).
 
 Times are in scenario seconds: the simulator runs `time_scale` times faster than the hardware it models
-(scenario seconds = wall seconds x time_scale; most scenarios use 1). The machine is a shared 2-core VM: Envoy,
-the sidecar, the replicas and the load generator compete for CPU, so absolute numbers are noisy; the
+(scenario seconds = wall seconds x time_scale; every scenario here uses 1). The machine is a shared 2-core VM:
+the gateway, the replicas and the load generator compete for CPU, so absolute numbers are noisy; the
 comparison between columns of one run is the result. `none` = the system cannot produce that metric (for
 example, no gateway signal exists). "problem not reproduced" = envoy-rr did not show the problem, so the
 scenario is wrong for this build, not passed.
 
 Adding a scenario: one module per problem in `bench/scenarios/` (registered in `bench/scenarios/__init__.py`),
-a class `S(Scenario)` whose module docstring states the workload, the SLO, the headline metrics, the rule that
-says envoy-rr reproduced the problem, and the sluice policy knobs it sets (`sluice_policy`: raw `admission`,
-`routing`, `budgets`, `tenants`, `streaming` sections, given to the sidecar only). `workload(quick)` returns
-open-loop arrivals and faults in scenario seconds; `metrics(run)` computes the table's numbers from the
-recorded run (`bench/scenarios/base.py: RunData`); `reproduced(metrics)` judges the envoy-rr column.
-Harness tests: `pytest tests/bench` (under a minute, one end-to-end smoke run included).
+a class `S(Scenario)` whose module docstring states the workload, the SLO, the classes, the headline metrics,
+the rule that says envoy-rr reproduced the problem, and what sluice is told (`slo_ttft_s`, `sluice_facts`:
+deployment facts only, checked by tests/bench/test_harness_units.py). `workload(quick)` returns open-loop
+arrivals and faults in scenario seconds; `metrics(run)` computes the scenario's own numbers from the recorded
+run (`bench/scenarios/base.py: RunData`); `reproduced(metrics)` judges the envoy-rr column.
+Harness tests: `pytest tests/bench`.
 """
 
 
@@ -168,11 +233,11 @@ does not export is `none`.
 | P4, P4n | `ghost_tokens` | holding requests in the sidecar's queue; deadlines | request header `x-stainless-read-timeout` (wall seconds); replica `sim_ghost_tokens_total` + `late_tokens` (after the client's `x-sim-deadline`) |
 | P5 | `amplification` | retry budget (`budgets.retry`) | request header `x-stainless-retry-count`; response headers `x-should-retry`, `retry-after-ms` / `retry-after` |
 | P6 | `recollapses`, `time_to_full_s` | health state machine, slow start (`routing.health`) | replica `/sim/state` only |
-| P8 | `detect_s` | business health (`routing.health`) | sidecar gauge `sluice_replica_state{pool,replica,state}` = 1 with state != healthy (or `sluice_replica_healthy{replica}` = 0); envoy-lr: `envoy_cluster_outlier_detection_ejections_active` > 0 |
+| P8 | `detect_s` | business health (`routing.health`) | sidecar gauge `sluice_replica_state{pool,replica,state}` = 1 with state != healthy (or `sluice_replica_healthy{replica}` = 0); envoy-tuned: `envoy_cluster_outlier_detection_ejections_active` > 0 |
 | P10 | `detect_s` | prompt-shift detector (`budgets.prompt_shift`) | request header `x-sluice-app`; sidecar counter `sluice_prompt_shift_events_total{app}` > 0 |
-| P10 | `capacity_estimate_error` | capacity estimate per app | sidecar gauge `sluice_prompt_capacity_requests_per_second{app}` (expected name; not exported by this build) |
+| P10 | `capacity_estimate_error` | capacity estimate per app | sidecar gauge `sluice_prompt_capacity_requests_per_second{app}` against the true capacity from the simulator's cost model (`bench/capacity.py`) |
 | P11 | `max_calls_per_task`, `max_tokens_per_task` | task and tenant budgets (`budgets.tasks`, `budgets.tenants`) | request headers `x-sluice-tenant`, `x-sluice-task-id`, `x-sluice-task-depth`; a 4xx ends the task |
-| P12 | `rejected_clean` | per-tenant open-stream limit (`tenants.max_streams_per_tenant`) | request header `x-sluice-tenant`; a clean 429 vs a closed connection |
+| P12 | `rejected_clean` | open-request cap (`sidecar.max_open_requests`, derived from the connection limit) | a clean 429 vs a closed connection |
 | P13 | `slow_streams_cut` | slow-consumer cut (`streaming.slow_consumer`) | replica abort counters; client-side early end of stream |
 """
 
@@ -185,9 +250,12 @@ def overview(result: dict[str, Any], scenarios: list[Scenario]) -> str:
              "|---|---|" + "---|" * len(systems) + "---|---|"]
     for sc in scenarios:
         by = result.get(sc.id) or {}
-        docs = {m.key: m for m in sc.metrics_doc}
         keys = list(sc.headline) or [m.key for m in sc.metrics_doc[:1]]
         flag = (meta.get("reproduced") or {}).get(sc.id)
+        keys = ["slo_goodput_rps"] + [k for k in keys if k != "slo_goodput_rps"]
+        if "sluice" in systems:
+            keys.insert(1, "worst_class_ratio")
+        docs = metric_docs(sc)
         for i, k in enumerate(keys):
             m = docs.get(k)
             unit = f" ({m.unit})" if m and m.unit else ""
@@ -195,6 +263,37 @@ def overview(result: dict[str, Any], scenarios: list[Scenario]) -> str:
             first = f"{sc.id} {sc.title}" if i == 0 else ""
             rep = reproduced_label(flag) if i == 0 else ""
             lines.append(f"| {first} | `{k}`{unit} | {cells} | {m.better if m else ''} | {rep} |")
+    return "\n".join(lines) + "\n"
+
+
+def goodput_table(result: dict[str, Any]) -> str:
+    """Per scenario: every system's SLO goodput, sluice's ratio to the best baseline, its worst class against
+    the best baseline, whether envoy-rr shows the problem and whether envoy-tuned still does."""
+    meta = result.get("_meta") or {}
+    systems = ordered_systems(list(meta.get("systems") or SYSTEM_ORDER))
+    baselines = [s for s in systems if s != "sluice"]
+    lines = ["| scenario | " + " | ".join(f"{s}" for s in systems)
+             + " | sluice / best baseline | worst_class_ratio (class) | envoy-rr shows it | envoy-tuned shows it |",
+             "|---|" + "---|" * len(systems) + "---|---|---|---|"]
+    from bench.bars import served_goodput
+
+    for sid, row in result.items():
+        if sid.startswith("_"):
+            continue
+        vals = {s: (row.get(s) or {}).get("slo_goodput_rps") for s in systems}
+        served = {s: served_goodput(row, s) for s in systems}
+        best = max([v for s, v in served.items() if s in baselines and v is not None], default=None)
+        mine = served.get("sluice")
+        refused = (row.get("sluice") or {}).get("refused_classes") or []
+        rel = (f"{mine / best:.2f}x" if mine is not None and best else "none") + (
+            f" (without {', '.join(refused)}: {fmt(mine)} vs {fmt(best)})" if refused else "")
+        sl = row.get("sluice") or {}
+        worst = f"{fmt(sl.get('worst_class_ratio'))} ({sl.get('worst_class') or '-'})"
+        rep = (meta.get("reproduced") or {}).get(sid)
+        tuned = ((meta.get("reproduced_by") or {}).get(sid) or {}).get("envoy-tuned")
+        lines.append(f"| {sid} | " + " | ".join(fmt(vals[s]) for s in systems) + f" | {rel} | {worst} | "
+                     f"{'yes' if rep else ('no' if rep is not None else 'not run')} | "
+                     f"{'not run' if tuned is None else ('yes' if tuned[0] else 'no')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +310,7 @@ def write_summary(result: dict[str, Any], path: Path, results_dir: Path,
     lines = [header(meta), "# Scenario benchmarks (P1..P13)", "",
              f"Command: `{meta.get('command', '')}`  ", f"Commit: `{meta.get('commit', '')}`  ",
              f"Date: {meta.get('date', '')}  ", f"Total wall time: {meta.get('wall_s', '?')} s", "", METHOD, "",
+             "## SLO goodput (req/s) per scenario and system", "", goodput_table(result), "",
              "## Overview (headline metrics)", "", overview(result, scenarios), DEPENDENCIES,
              "## Reproduced on envoy-rr", "", "| scenario | reproduced | why |", "|---|---|---|"]
     for sc in scenarios:

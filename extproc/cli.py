@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from typing import TYPE_CHECKING
 
 from extproc.config import Policy, PolicyError, default_policy_path, load_policy
@@ -65,7 +66,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def validate_with_envoy(policy: Policy, mode: str = "sluice") -> tuple[bool, str]:
+def validate_with_envoy(policy: Policy, mode: str = "sluice", baseline: Any = None) -> tuple[bool, str]:
     """Run `envoy --mode validate` on a bootstrap that carries the rendered listeners and clusters statically
     (validate mode does not read file-based xDS, so a plain check of bootstrap.yaml would prove little)."""
     import yaml
@@ -73,7 +74,7 @@ def validate_with_envoy(policy: Policy, mode: str = "sluice") -> tuple[bool, str
     from extproc.xds import envoy_binary, render
 
     with tempfile.TemporaryDirectory() as tmp:
-        paths = render(policy, tmp, mode)
+        paths = render(policy, tmp, mode, baseline=baseline)
         boot = yaml.safe_load(paths["bootstrap"].read_text())
         boot.pop("dynamic_resources", None)
         boot["static_resources"] = {

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import yaml
 
@@ -100,7 +100,8 @@ class Child:
 
 @dataclass
 class Stack:
-    """One gateway in front of one replica pool. `mode` is sluice, envoy-rr or envoy-lr (see xds.py)."""
+    """One gateway in front of one replica pool. `mode` is sluice, envoy-rr or envoy-lr (see xds.py), or a
+    benchmark baseline (envoy-tuned, smg: extproc/baselines.py, sized by `baseline`)."""
 
     policy: Policy
     run_dir: Path
@@ -111,6 +112,7 @@ class Stack:
     policy_file: Path | None = None  # the user's policy file (sluice up): watched for reloads; else a run copy
     # wraps each sidecar's command line (tests: run it in a private mount namespace with its own /etc/hosts)
     sidecar_wrapper: Callable[[list[str]], list[str]] | None = None
+    baseline: Any = None  # BaselineOptions of a baseline mode (extproc/baselines.py)
 
     @property
     def base_url(self) -> str:
@@ -175,6 +177,11 @@ class Stack:
                     argv = self.sidecar_wrapper(argv)
                 children.append(Child(f"sidecar[{w}]", argv, logs / f"sidecar-{w}.log",
                                       f"http://{sc.metrics_host}:{sc.metrics_port + w}/ready"))
+        if self.mode == "smg":  # the Shepherd Model Gateway instead of Envoy (a benchmark baseline)
+            from extproc.baselines import smg_argv, smg_ready_url
+
+            children.append(Child("smg", smg_argv(self.policy), logs / "smg.log", smg_ready_url(self.policy)))
+            return children
         gw = self.policy.gateway
         argv = [envoy_binary(), "-c", str(self.run_dir / "envoy" / "bootstrap.yaml"), "--disable-hot-restart",
                 "--log-level", gw.envoy_log_level, "--concurrency", str(gw.envoy_concurrency)]
@@ -186,7 +193,7 @@ class Stack:
         self.check_ports()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "policy.yaml").write_text(yaml.safe_dump(policy_to_dict(self.policy), sort_keys=False))
-        render(self.policy, self.run_dir / "envoy", self.mode)
+        render(self.policy, self.run_dir / "envoy", self.mode, baseline=self.baseline)
         self.children = self._build_children()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:

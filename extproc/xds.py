@@ -239,7 +239,8 @@ def render_clusters(policy: Policy, mode: str = "sluice", xds_dir: str | Path | 
             load_balancing_policy=_pool_lb_policy(mode),
             per_connection_buffer_limit_bytes=policy.gateway.buffer_limit_bytes,
             typed_extension_protocol_options={PROTOCOL_OPTIONS_KEY: _http1_options()},
-            circuit_breakers=_circuit_breakers(policy, with_retry_budget=mode != "envoy-rr"),
+            # envoy-rr, the naive baseline, keeps Envoy's default circuit breakers (1,024 per priority).
+            circuit_breakers=None if mode == "envoy-rr" else _circuit_breakers(policy, with_retry_budget=True),
         )
         if pool.discovered:
             if xds_dir is None:
@@ -566,12 +567,17 @@ def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
 
 
 def render(policy: Policy, out_dir: str | Path, mode: str = "sluice", xds_dir: str | Path | None = None,
-           endpoints: Mapping[str, list[str]] | None = None) -> dict[str, Path]:
+           endpoints: Mapping[str, list[str]] | None = None, baseline: Any = None) -> dict[str, Path]:
     """Write bootstrap.yaml, lds.yaml, cds.yaml (and eds-<cluster>.yaml per pool found at run time) into out_dir;
     return their paths. The bootstrap points Envoy at `xds_dir` (default: out_dir itself, as an absolute path).
 
     A pool's EDS file holds `endpoints[cluster]` when given (the sidecar's current replicas); otherwise an existing
-    file is kept (the sidecar keeps it current) and a missing one gets the pool's fixed addresses."""
+    file is kept (the sidecar keeps it current) and a missing one gets the pool's fixed addresses. The benchmark's
+    baseline gateways (envoy-tuned, smg) render in extproc/baselines.py, with `baseline` (its BaselineOptions)."""
+    from extproc import baselines
+
+    if mode in baselines.MODES:
+        return baselines.render(policy, out_dir, mode, xds_dir, baseline)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
     out = Path(out_dir)

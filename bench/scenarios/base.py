@@ -44,6 +44,52 @@ class Workload:
 
 
 @dataclass
+class Call:
+    """One user-level call as its user saw it: every attempt (SDK and business retries) from the first send.
+
+    Its TTFT runs from the first attempt's send to the first token of the last attempt: a request shed, retried
+    and then served counts with its whole latency. A call that never got a token is censored at the time its
+    user waited (to its last attempt's end, or the run's deadline)."""
+
+    attempts: list[Record]
+    run_end: float
+
+    @property
+    def final(self) -> Record:
+        return self.attempts[-1]
+
+    @property
+    def kind(self) -> str:
+        return self.final.kind
+
+    @property
+    def group(self) -> str:
+        return self.final.group
+
+    @property
+    def first_send(self) -> float:
+        return self.attempts[0].first_send or self.attempts[0].start
+
+    @property
+    def ok(self) -> bool:
+        return self.final.ok
+
+    @property
+    def ttft(self) -> float | None:
+        """Wall seconds from the first send to the first token of the final attempt (None: no token)."""
+        ft = self.final.first_token
+        return None if ft is None else ft - self.first_send
+
+    @property
+    def waited(self) -> float:
+        """Wall seconds from the first send to the first token, or (censored) to when the user stopped waiting."""
+        if self.ttft is not None:
+            return self.ttft
+        end = self.final.end if self.final.end is not None else self.run_end
+        return max(0.0, end - self.first_send)
+
+
+@dataclass
 class RunData:
     """Everything measured in one (scenario, system) run. Times: wall seconds since t0 unless said otherwise."""
 
@@ -74,8 +120,31 @@ class RunData:
         return [r for r in self.records if (kind is None or r.kind == kind) and (pred is None or pred(r))]
 
     def ttfts(self, recs: Iterable[Record]) -> list[float]:
-        """TTFT in scenario seconds of the records that got a first token."""
-        return [r.ttft * self.time_scale for r in recs if r.ttft is not None]
+        """TTFT of each attempt in scenario seconds. An attempt that never got a first token (refused, failed,
+        timed out, still waiting at the run's end) is censored, not dropped: it counts with the time it waited
+        (to its end, or to the run's deadline), a lower bound of its TTFT. `censored(recs)` counts them."""
+        end = self.extra.get("deadline", self.duration)
+        out = []
+        for r in recs:
+            if r.ttft is not None:
+                out.append(r.ttft * self.time_scale)
+            else:
+                out.append(((r.end if r.end is not None else end) - r.start) * self.time_scale)
+        return out
+
+    @staticmethod
+    def censored(recs: Iterable[Record]) -> int:
+        """Attempts without a first token (their TTFT in `ttfts` is a lower bound)."""
+        return sum(1 for r in recs if r.ttft is None)
+
+    def calls(self) -> list["Call"]:
+        """The user-level calls (an arrival's call with all its SDK and business retries), in send order."""
+        by_key: dict[tuple[int, int], list[Record]] = {}
+        for r in self.records:
+            by_key.setdefault((r.user, r.call), []).append(r)
+        end = self.extra.get("deadline", self.duration)
+        return sorted((Call(sorted(rs, key=lambda r: r.attempt), end) for rs in by_key.values()),
+                      key=lambda c: c.first_send)
 
     def users(self, kind: str | None = None) -> dict[int, list[Record]]:
         out: dict[int, list[Record]] = {}
@@ -170,11 +239,21 @@ _WORDS = ("alpha bravo delta echo golf hotel india juliet kilo lima mike oscar p
           "victor xray yankee zulu").split()
 
 
+_TEXT_SCALE = [1.0]  # words per token of the replicas' tokenizer (1 for the simulator's)
+
+
+def set_text_scale(words_per_token: float) -> None:
+    """Real engines tokenize the filler words differently: the real backend measures words per token once
+    (bench/backends.py) so that a prompt of N tokens in a scenario is N tokens on the engine too."""
+    _TEXT_SCALE[0] = float(words_per_token)
+
+
 def text_of(tokens: int, salt: int = 0) -> str:
-    """Text the simulator's tokenizer counts as about `tokens` tokens (short words are one token each).
+    """Text the replicas' tokenizer counts as about `tokens` tokens (for the simulator's, short words are one
+    token each; see `set_text_scale` for real engines).
 
     `salt` makes bodies distinct (a gateway may treat identical bodies from one tenant as retries)."""
-    n = max(1, tokens)
+    n = max(1, round(tokens * _TEXT_SCALE[0]))
     head = f"req{salt} "
     words = [_WORDS[(salt + i * 7) % len(_WORDS)] for i in range(n - 1)]
     return head + " ".join(words)
@@ -208,21 +287,85 @@ def scale_arrivals(arrivals: list[Arrival], time_scale: float) -> list[Arrival]:
                      linger_s=None if c.linger_s is None else c.linger_s / time_scale,
                      read_interval_s=c.read_interval_s / time_scale,
                      sdk_backoff_s=c.sdk_backoff_s / time_scale,
+                     read_timeout_s=c.read_timeout_s / time_scale,
                      business_backoff_s=c.business_backoff_s / time_scale)
         out.append(replace(a, at=a.at / time_scale, client=c2))
     return out
 
 
 def ttfts_censored(run: RunData, recs: Iterable[Record]) -> list[float]:
-    """TTFT in scenario seconds; a request that never got a first token (still waiting when the run ended, or
-    failed) counts with the time it waited, a lower bound, instead of silently dropping out of the percentile."""
-    out = []
-    for r in recs:
-        if r.ttft is not None:
-            out.append(r.ttft * run.time_scale)
-        elif r.end is not None and not r.cancelled:
-            out.append((r.end - r.start) * run.time_scale)
-    return out
+    """Kept for the scenarios' readability: `RunData.ttfts` censors every attempt without a first token."""
+    return run.ttfts(recs)
+
+
+def flowing_at_end(call: Call) -> bool:
+    """Completed, or still streaming tokens when the run ended (for streams meant to outlive the run, P12)."""
+    f = call.final
+    return call.ok or (f.status == 200 and f.error == "unfinished" and f.tokens > 0)
+
+
+def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str],
+                refused: Iterable[str] = (), complete: Callable[[Call], bool] = lambda c: c.ok) -> dict[str, Any]:
+    """The whole cost, the same for every scenario and system (SLO: the first token within `slo_ttft_s` of the
+    user's first send, retries included, and the response completed):
+
+      slo_goodput_rps      user-level calls meeting the SLO / offered seconds (every arrival counts once,
+                           whatever it cost in attempts; a shed call retried into success counts with its whole
+                           latency);
+      class_slo_goodput    the same per class (`class_of`), over the same offered seconds;
+      class_ttft_p95_s     p95 of each class's TTFT from the first send, calls without a first token censored at
+                           the time their user waited (a lower bound);
+      class_calls          calls offered per class; class_failed: calls that did not complete (next to the p95).
+    """
+    ts = run.time_scale
+    span = (run.duration or 1.0) * ts
+    by_class: dict[str, list[Call]] = {}
+    for c in run.calls():
+        by_class.setdefault(class_of(c), []).append(c)
+
+    def good(c: Call) -> bool:
+        return complete(c) and c.ttft is not None and c.ttft * ts <= slo_ttft_s
+
+    n_good = sum(1 for cs in by_class.values() for c in cs if good(c))
+    return {
+        "slo_goodput_rps": rnd(n_good / span, 3),
+        "class_slo_goodput": {k: rnd(sum(1 for c in cs if good(c)) / span, 3) for k, cs in sorted(by_class.items())},
+        "class_ttft_p95_s": {k: rnd(pct([c.waited * ts for c in cs], 95)) for k, cs in sorted(by_class.items())},
+        "class_calls": {k: float(len(cs)) for k, cs in sorted(by_class.items())},
+        "class_failed": {k: float(sum(1 for c in cs if not complete(c))) for k, cs in sorted(by_class.items())},
+        "refused_classes": sorted(refused),
+    }
+
+
+def worst_class_ratio(by_system: dict[str, dict[str, Any]], refused: Iterable[str] = (),
+                      system: str = "sluice") -> tuple[float | None, str | None]:
+    """min over classes of `system`'s class goodput / the best other system's class goodput, leaving out the
+    classes `system` refuses by design and classes no other system served within the SLO (0 / 0 says nothing;
+    x / 0 is not a loss). Returns (ratio, the class that sets it)."""
+    mine = (by_system.get(system) or {}).get("class_slo_goodput") or {}
+    skip = set(refused)
+    worst: tuple[float | None, str | None] = (None, None)
+    for cls, value in mine.items():
+        if cls in skip or value is None:
+            continue
+        best = max([((m or {}).get("class_slo_goodput") or {}).get(cls) or 0.0
+                    for s, m in by_system.items() if s != system] or [0.0])
+        if best <= 0:
+            continue
+        r = value / best
+        if worst[0] is None or r < worst[0]:
+            worst = (round(r, 3), cls)
+    return worst
+
+
+def phase_of(call: Call, run: RunData, phases: list[tuple[str, float]], last: str) -> str:
+    """The phase a call was first sent in: the first (name, until) whose `until` (scenario seconds) is after
+    its first send, else `last`."""
+    t = call.first_send * run.time_scale
+    for name, until in phases:
+        if t < until:
+            return name
+    return last
 
 
 def in_windows(t: float, windows: list[tuple[float, float]]) -> bool:
@@ -252,7 +395,12 @@ class Scenario:
     gateway: dict[str, Any] = {}        # gateway section, all systems (Envoy settings)
     sidecar: dict[str, Any] = {}        # sidecar section, all systems (only sluice runs a sidecar)
     limits: dict[str, Any] = {}
-    sluice_policy: dict[str, Any] = {}  # admission / routing / budgets / tenants: sluice only
+    slo_ttft_s = 2.0                    # the user's SLO: first token within this many seconds of the first send
+    sluice_facts: dict[str, Any] = {}   # deployment facts sluice is told besides the SLO (tenants, task budget)
+    refused_classes: tuple[str, ...] = ()  # classes sluice refuses by design (left out of worst_class_ratio)
+    streams_outlive_run = False         # True: "completed" in the SLO means completed or still flowing at the end
+    tenant_requests: dict[str, tuple[int, int]] = {}  # tenant -> its typical (prompt, output) tokens: a
+                                        # tenant scenario; envoy-tuned rate-limits each tenant (bench/runner.py)
     poll_sidecar: tuple[str, ...] = ()  # sidecar metric names to poll over time (sluice only)
     poll_envoy: tuple[str, ...] = ()    # Envoy admin /stats/prometheus names to poll over time (every system)
     rss_poll: bool = False              # sample Envoy + sidecar RSS over time
@@ -260,8 +408,25 @@ class Scenario:
     client_rcvbuf: int = 0              # SO_RCVBUF of the load generator's sockets (0 = OS default)
     settle_s: float = 0.0               # after the load, wait up to this long (wall) for idle replicas
     budget_s = 20.0                     # rough wall budget per system-run in --quick mode (documentation)
+    derived_values: dict[str, Any] = {}  # the numbers the docstring derives, as computed at this preset
     metrics_doc: list[Metric] = []
     headline: tuple[str, ...] = ()      # the keys the summary's overview table shows
+
+    @property
+    def sluice_policy(self) -> dict[str, Any]:
+        """What sluice is told beyond its shipped defaults: the user's SLO as `admission.ttft_target_s` and the
+        scenario's deployment facts (`sluice_facts`); nothing else (tests/bench/test_harness_units.py checks)."""
+        policy = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.sluice_facts.items()}
+        policy.setdefault("admission", {})["ttft_target_s"] = float(self.slo_ttft_s)
+        return policy
+
+    def call_class(self, call: Call, run: RunData) -> str:
+        """The class a user-level call belongs to in `class_slo_goodput` (default: its arrival kind)."""
+        return call.kind
+
+    def slo(self, run: RunData) -> dict[str, Any]:
+        done = flowing_at_end if self.streams_outlive_run else (lambda c: c.ok)
+        return slo_metrics(run, self.slo_ttft_s, lambda c: self.call_class(c, run), self.refused_classes, done)
 
     def workload(self, quick: bool) -> Workload:
         raise NotImplementedError
@@ -282,7 +447,20 @@ class Scenario:
         import sys
 
         mod = sys.modules.get(type(self).__module__)
-        return ((mod.__doc__ if mod is not None else None) or type(self).__doc__ or "").strip()
+        doc = ((mod.__doc__ if mod is not None else None) or type(self).__doc__ or "").strip()
+        return doc + "\n\n" + self.derived_line()
+
+    def derived_line(self) -> str:
+        """The derived numbers at the preset in use (the docstring says how each is derived)."""
+        vals = {"ttft_target_s": f"{self.slo_ttft_s:g}", **{k: _fmt_derived(v) for k, v in self.derived_values.items()}}
+        if self.sim_args:
+            vals["engine flags"] = " ".join(self.sim_args)
+        return (f"Derived at the `{self.preset}` preset (bench/capacity.py): "
+                + ", ".join(f"{k}: {v}" for k, v in vals.items()) + ".")
+
+
+def _fmt_derived(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def client(**kw: Any) -> ClientSpec:

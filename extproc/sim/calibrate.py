@@ -1,105 +1,356 @@
-"""`sluice sim calibrate`: run the engine model on the reference scenarios, compare to measurements.
+"""`sluice sim calibrate`: measure a live engine, fit a preset to it, compare model and measurement.
 
-Runs in simulated time (no HTTP, no sleeping), so it takes well under a second. Each scenario
-mirrors one measured row of a real vLLM 0.32 engine (docs/ARCHITECTURE.md):
+Two ways to run it:
 
-* ``ttft_N``: one request of N prompt tokens on an idle engine, time to first token;
-* ``decode_ms_per_token_1``: one stream, mean gap between tokens after the first;
-* ``decode_tok_s_per_stream_16``: 16 streams started together, tokens/s of each stream;
-* ``hol_short_ttft_min`` / ``_max`` / ``_mean``: a 100-token request arriving while a
-  4,000-token prompt is in prefill (20 runs, arrival spread evenly over the long prompt's
-  TTFT): best, worst and mean.
+* ``--against URL [--preempt-url URL2] [--json FILE] [--write-preset FILE]``: measure a live
+  OpenAI-compatible engine through its HTTP API and /metrics (``measure.py``), fit a preset to the
+  rows marked *fit* (least squares on log ratios, scipy), simulate every row with the fitted preset,
+  print the table and write the measurement (``--json``) and the preset (``--write-preset``, a JSON
+  file that ``sluice sim --preset FILE`` runs).
+* ``--preset P [--measurement FILE]``: offline, in simulated time: simulate the rows of a stored
+  measurement (default: the one preset P was fitted to, under bench/results/) with preset P.
 
-Exit status 1 when a ratio falls outside 0.7..1.3, so CI can pin the calibration.
+Each row is one number measured on the engine and the same scenario run through the engine model
+(``Engine`` in simulated time, no HTTP). Rows marked *held-out* are never used by the fit; they
+check it. Every ratio simulated / measured must lie in ``LOW..HIGH`` (exit status 1 otherwise).
+
+Fit (``fit_preset``): the eight cost constants (base, prefill_tok, decode_seq, attn_pair,
+attn_ctx_pair, kv_read_tok, frontend, frontend_tok) minimise ``sum(log(simulated / measured) ** 2)``
+over the fit rows of TTFT, decode rate and prefix-hit TTFT (scipy's least_squares on log constants);
+``abort`` is the measured abort latency less half an idle /metrics scrape; ``metrics_base`` and
+``metrics_per_seq`` are the least-squares line through the /metrics rows (latency against running
+sequences); the contended /metrics deciles are stored as measured; the KV cache (blocks, block size)
+is what the engine reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime
 import json
+import math
+import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
 
-from .engine import Engine, Request, run_offline
-from .presets import Preset, get_preset
+from .engine import Engine, Request, block_hashes, run_offline
+from .presets import (CostModel, Preset, contended_quantile, get_preset, measurement_path, preset_from_json,
+                      preset_to_json)
 
-__all__ = ["Row", "calibrate", "main", "LOW", "HIGH"]
+__all__ = ["Row", "RowSpec", "ROW_SPECS", "LOW", "HIGH", "simulate", "calibrate", "fit_preset", "main",
+           "load_measurement"]
 
-LOW, HIGH = 0.7, 1.3
+LOW, HIGH = 0.85, 1.15
+
+HOL_LONG, HOL_SHORT, HOL_OFFSETS = 4000, 100, 8
+PREFIX_TOTAL, PREFIX_HIT = 4000, 3968
+DECODE_PROMPT, DECODE_OUT = 128, 128
+PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT = 8, 1024, 1024
+FIT_COST = ("base", "prefill_tok", "decode_seq", "attn_pair", "attn_ctx_pair", "kv_read_tok", "frontend",
+            "frontend_tok")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One calibration row: what is measured, in which unit, and whether the fit may use it."""
+
+    name: str
+    kind: str  # ttft | decode | hol_mean | hol_max | prefix_hit | kv | abort | preempt | metrics
+    unit: str
+    fit: bool
+    arg: int = 0  # prompt tokens (ttft), streams (decode, metrics)
+    arg2: int = 0  # long prompts prefilled during a metrics row
+
+
+def _specs() -> tuple[RowSpec, ...]:
+    rows = [RowSpec(f"ttft_{n}", "ttft", "s", fit, n)
+            for n, fit in ((128, True), (512, True), (1024, True), (2048, True), (3072, False), (HOL_LONG, True),
+                           (6144, False), (8000, True))]
+    rows += [RowSpec(f"decode_tok_s_{b}", "decode", "tok/s", fit, b)
+             for b, fit in ((1, True), (4, False), (8, True), (16, False), (32, True), (64, True))]
+    rows += [RowSpec("hol_short_ttft_mean", "hol_mean", "s", False),
+             RowSpec("hol_short_ttft_max", "hol_max", "s", False),
+             RowSpec("prefix_hit_ttft", "prefix_hit", "s", True, PREFIX_TOTAL, PREFIX_HIT),
+             RowSpec("prefix_hit_ttft_2k", "prefix_hit", "s", False, 2048, 1920),
+             RowSpec("kv_capacity_tokens", "kv", "tokens", True),
+             RowSpec("abort_latency", "abort", "s", True),
+             RowSpec("preempt_onset_tokens", "preempt", "tokens", False),
+             RowSpec("metrics_latency_idle", "metrics", "s", True, 0, 0),
+             RowSpec("metrics_latency_64_streams", "metrics", "s", True, 64, 0),
+             RowSpec("metrics_latency_64_streams_prefill", "metrics", "s", True, 64, 3),
+             RowSpec("metrics_latency_contended_p50", "metrics_contended", "s", True, 50),
+             RowSpec("metrics_latency_contended_p90", "metrics_contended", "s", True, 90)]
+    return tuple(rows)
+
+
+ROW_SPECS = _specs()
+SPEC_BY_NAME = {s.name: s for s in ROW_SPECS}
 
 
 @dataclass
 class Row:
     name: str
-    reference: float | None
+    measured: float | None
     simulated: float
     unit: str
+    fit: bool
 
     @property
     def ratio(self) -> float | None:
-        if not self.reference:
+        if not self.measured:
             return None
-        return self.simulated / self.reference
+        return self.simulated / self.measured
 
     def as_json(self) -> dict[str, object]:
         r = self.ratio
-        return {"name": self.name, "reference": self.reference, "simulated": round(self.simulated, 6),
-                "ratio": None if r is None else round(r, 4), "unit": self.unit}
+        return {"name": self.name, "measured": self.measured, "simulated": round(self.simulated, 6),
+                "ratio": None if r is None else round(r, 4), "unit": self.unit,
+                "use": "fit" if self.fit else "held-out"}
 
 
-def _engine(p: Preset) -> Engine:
-    return Engine(p.cost, num_gpu_blocks=p.num_gpu_blocks, block_size=p.block_size,
-                  max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens)
+# ---- the rows in simulated time ------------------------------------------------------------------
+
+def _engine(p: Preset, blocks: int | None = None, prefix_cache: bool = False) -> Engine:
+    return Engine(p.cost, num_gpu_blocks=blocks or p.num_gpu_blocks, block_size=p.block_size,
+                  max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+                  prefix_cache=prefix_cache)
 
 
-def _ttft(p: Preset, prompt: int) -> float:
+def sim_ttft(p: Preset, prompt: int) -> float:
     r = Request("r", prompt, 1)
     run_offline(_engine(p), [(0.0, r)])
     assert r.first_token_at is not None
     return r.first_token_at - r.arrival
 
 
-def _decode_gaps(p: Preset, streams: int, out: int) -> list[float]:
-    """Per-stream mean seconds per token after the first token."""
-    reqs = [Request(f"s{i}", 100, out) for i in range(streams)]
+def sim_decode(p: Preset, streams: int) -> float:
+    """Sum over streams of tokens/s after the first token (``measure.LiveEngine.decode``)."""
+    reqs = [Request(f"s{i}", DECODE_PROMPT, DECODE_OUT) for i in range(streams)]
     run_offline(_engine(p), [(0.0, r) for r in reqs])
-    gaps = []
+    total = 0.0
     for r in reqs:
         assert r.first_token_at is not None
-        gaps.append((r.last_token_at - r.first_token_at) / (r.num_output - 1))
-    return gaps
+        total += (r.num_output - 1) / (r.last_token_at - r.first_token_at)
+    return total
 
 
-def _hol(p: Preset, runs: int = 20) -> list[float]:
-    window = _ttft(p, 4000)
+def hol_offsets(long_ttft: float) -> list[float]:
+    """Arrival offsets of the short request: the middles of eight equal slices of the long prompt's TTFT
+    (never 0, where the two requests race on the wire and either may reach the engine first)."""
+    return [long_ttft * (k + 0.5) / HOL_OFFSETS for k in range(HOL_OFFSETS)]
+
+
+def sim_hol(p: Preset, offsets: list[float]) -> list[float]:
     out = []
-    for k in range(runs):
-        eng = _engine(p)
-        long = Request("long", 4000, 50)
-        short = Request("short", 100, 1)
-        run_offline(eng, [(0.0, long), (window * k / runs, short)])
+    for off in offsets:
+        long, short = Request("long", HOL_LONG, 1), Request("short", HOL_SHORT, 1)
+        run_offline(_engine(p), [(0.0, long), (off, short)])
         assert short.first_token_at is not None
         out.append(short.first_token_at - short.arrival)
     return out
 
 
-def calibrate(preset: Preset) -> list[Row]:
-    ref = preset.references
-    rows = [
-        Row("ttft_100", ref.get("ttft_100"), _ttft(preset, 100), "s"),
-        Row("ttft_4000", ref.get("ttft_4000"), _ttft(preset, 4000), "s"),
-        Row("ttft_8000", ref.get("ttft_8000"), _ttft(preset, 8000), "s"),
-    ]
-    one = _decode_gaps(preset, 1, 200)
-    rows.append(Row("decode_ms_per_token_1", ref.get("decode_ms_per_token_1"), one[0], "s"))
-    sixteen = _decode_gaps(preset, 16, 300)
-    tps = sum(1.0 / g for g in sixteen) / len(sixteen)
-    rows.append(Row("decode_tok_s_per_stream_16", ref.get("decode_tok_s_per_stream_16"), tps, "tok/s"))
-    hol = _hol(preset)
-    rows.append(Row("hol_short_ttft_min", ref.get("hol_short_ttft_min"), min(hol), "s"))
-    rows.append(Row("hol_short_ttft_max", ref.get("hol_short_ttft_max"), max(hol), "s"))
-    rows.append(Row("hol_short_ttft_mean", ref.get("hol_short_ttft_mean"), sum(hol) / len(hol), "s"))
+def sim_prefix_hit(p: Preset, total: int, hit: int) -> float:
+    """TTFT of a ``total``-token prompt whose first ``hit`` tokens another request computed just before."""
+    prefix = list(range(1_000_000, 1_000_000 + hit))
+    tail = total - hit
+    eng = _engine(p, prefix_cache=True)
+    first_ids = prefix + list(range(2_000_000, 2_000_000 + tail))
+    second_ids = prefix + list(range(3_000_000, 3_000_000 + tail))
+    first = Request("a", total, 1, hashes=block_hashes(first_ids, p.block_size))
+    run_offline(eng, [(0.0, first)])
+    second = Request("b", total, 1, hashes=block_hashes(second_ids, p.block_size))
+    start = eng.clock + 1.0
+    run_offline(eng, [(start, second)])
+    assert second.first_token_at is not None
+    return second.first_token_at - second.arrival
+
+
+def sim_preempt_onset(p: Preset, blocks: int) -> float:
+    """Tokens generated (all streams) when the first preemption happens, with ``blocks`` KV blocks."""
+    eng = _engine(p, blocks=blocks)
+    for i in range(PREEMPT_STREAMS):
+        eng.add(Request(f"p{i}", PREEMPT_PROMPT, PREEMPT_OUT), 0.0)
+    eng.clock = max(r.ready_at for r in eng.waiting)
+    for _ in range(1_000_000):
+        step = eng.schedule()
+        if step is None:
+            break
+        if eng.stats.preemptions:
+            return float(eng.stats.generation_tokens)
+        eng.complete(step)
+    return math.inf
+
+
+def simulate(spec: RowSpec, p: Preset, extra: dict[str, Any]) -> float:
+    """The simulated value of one row; ``extra`` holds what the measurement fixed (offsets, blocks)."""
+    k = spec.kind
+    if k == "ttft":
+        return sim_ttft(p, spec.arg)
+    if k == "decode":
+        return sim_decode(p, spec.arg)
+    if k in ("hol_mean", "hol_max"):
+        hol = sim_hol(p, extra["hol_offsets"])
+        return sum(hol) / len(hol) if k == "hol_mean" else max(hol)
+    if k == "prefix_hit":
+        return sim_prefix_hit(p, spec.arg, spec.arg2)
+    if k == "kv":
+        return float(p.num_gpu_blocks * p.block_size)
+    if k == "abort":
+        return p.cost.abort + p.cost.metrics_latency(0, 0) / 2
+    if k == "preempt":
+        return sim_preempt_onset(p, int(extra["preempt_blocks"]))
+    if k == "metrics":
+        return p.cost.metrics_latency(spec.arg, spec.arg2)
+    if k == "metrics_contended":
+        return contended_quantile(p.metrics_contended, spec.arg / 100)
+    raise ValueError(f"unknown row kind {k!r}")
+
+
+def calibrate(preset: Preset, measurement: dict[str, Any]) -> list[Row]:
+    """Every row of ``measurement`` simulated with ``preset``."""
+    extra = measurement.get("extra", {})
+    rows = []
+    for name, m in measurement["measurements"].items():
+        spec = SPEC_BY_NAME.get(name)
+        if spec is None:
+            continue
+        if spec.kind == "preempt" and "preempt_blocks" not in extra:
+            continue
+        if spec.kind == "metrics_contended" and not preset.metrics_contended:
+            continue
+        rows.append(Row(name, m["value"], simulate(spec, preset, extra), spec.unit, spec.fit))
     return rows
+
+
+# ---- fit -------------------------------------------------------------------------------------------
+
+def _with_cost(p: Preset, **kw: float) -> Preset:
+    return replace(p, cost=replace(p.cost, **kw))
+
+
+def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description: str) -> Preset:
+    """A preset fitted to the *fit* rows of ``measurement`` (held-out rows are not read)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    ms = measurement["measurements"]
+    eng = measurement["engine"]
+    p = replace(base, name=name, description=description, num_gpu_blocks=int(eng["num_gpu_blocks"]),
+                block_size=int(eng["block_size"]), max_num_seqs=int(eng["max_num_seqs"]),
+                max_num_batched_tokens=int(eng["max_num_batched_tokens"]),
+                max_model_len=int(eng["max_model_len"]), references={})
+    fit_rows = [SPEC_BY_NAME[n] for n in ms if n in SPEC_BY_NAME and SPEC_BY_NAME[n].fit
+                and SPEC_BY_NAME[n].kind in ("ttft", "decode", "prefix_hit")]
+    if p.cost.attn_ctx_pair is None:
+        p = _with_cost(p, attn_ctx_pair=p.cost.attn_pair)
+    x0 = np.log([max(float(getattr(p.cost, f)), 1e-12) for f in FIT_COST])
+
+    def residuals(x: Any) -> Any:
+        q = _with_cost(p, **dict(zip(FIT_COST, np.exp(x))))
+        return np.array([math.log(simulate(s, q, {}) / ms[s.name]["value"]) for s in fit_rows])
+
+    sol = least_squares(residuals, x0, bounds=(np.log(1e-13), np.log(1.0)), x_scale="jac", max_nfev=400)
+    p = _with_cost(p, **{f: float(f"{v:.4g}") for f, v in zip(FIT_COST, np.exp(sol.x))})
+    metric_rows = [SPEC_BY_NAME[n] for n in ms if n in SPEC_BY_NAME and SPEC_BY_NAME[n].fit
+                   and SPEC_BY_NAME[n].kind == "metrics"]
+    if metric_rows:  # latency = a + b * running, least squares over the fit rows
+        a_mat = np.array([[1.0, s.arg] for s in metric_rows])
+        y = np.array([ms[s.name]["value"] for s in metric_rows])
+        (a, b), *_ = np.linalg.lstsq(a_mat, y, rcond=None)
+        p = _with_cost(p, metrics_base=float(f"{max(a, 0.0):.4g}"), metrics_per_seq=float(f"{max(b, 0.0):.4g}"))
+    if "metrics_contended_quantiles" in measurement.get("extra", {}):
+        p = replace(p, metrics_contended=tuple(measurement["extra"]["metrics_contended_quantiles"]))
+    if "abort_latency" in ms:
+        p = _with_cost(p, abort=float(f"{max(ms['abort_latency']['value'] - p.cost.metrics_base / 2, 0.0):.4g}"))
+    return p
+
+
+# ---- measurement -----------------------------------------------------------------------------------
+
+async def measure(url: str, preempt_url: str | None, repeats: int, settings: dict[str, int],
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """Every row measured on the live engine(s); medians of ``repeats`` runs."""
+    import aiohttp
+
+    from .measure import LiveEngine, machine_info, median, quantile
+
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(name: str, samples: list[float], value: float | None = None) -> None:
+        v = median(samples) if value is None else value
+        out[name] = {"value": round(v, 6), "samples": [round(s, 6) for s in samples]}
+        log(f"  {name:<36} {v:.6g}")
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        eng = LiveEngine(url, session, vocab=settings["vocab"], seed=1)
+        version = await eng.version()
+        blocks, block_size = await eng.kv_capacity()
+        log(f"engine {url}: version {version}, KV {blocks} x {block_size} tokens")
+        await eng.ttft(64, 2)  # warm-up, not kept
+        for s in ROW_SPECS:
+            if s.kind == "ttft":
+                put(s.name, await eng.ttft(s.arg, repeats))
+        for s in ROW_SPECS:
+            if s.kind == "decode":
+                put(s.name, await eng.decode(s.arg, max(2, repeats // 2), DECODE_PROMPT, DECODE_OUT))
+        long_ttft = median(await eng.ttft(HOL_LONG, repeats))
+        offsets = hol_offsets(long_ttft)
+        per_offset = [median(xs) for xs in await eng.hol(offsets, 3, HOL_LONG, HOL_SHORT)]
+        put("hol_short_ttft_mean", per_offset, sum(per_offset) / len(per_offset))
+        put("hol_short_ttft_max", per_offset, max(per_offset))
+        for s in ROW_SPECS:
+            if s.kind == "prefix_hit":
+                put(s.name, await eng.prefix_hit(s.arg2, s.arg, repeats))
+        put("kv_capacity_tokens", [float(blocks * block_size)])
+        lat, extra_tokens = await eng.abort(repeats)
+        put("abort_latency", lat)
+        log(f"  (tokens generated after the disconnect: {extra_tokens})")
+        for s in ROW_SPECS:
+            if s.kind == "metrics":
+                put(s.name, await eng.metrics_latency(s.arg, s.arg2, polls=30))
+        extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets], "abort_extra_tokens": extra_tokens}
+        if preempt_url:
+            small = LiveEngine(preempt_url, session, vocab=settings["vocab"], seed=2)
+            contended = await eng.metrics_latency(64, 3, polls=40, partner=small)
+            put("metrics_latency_contended_p50", contended, quantile(contended, 0.5))
+            put("metrics_latency_contended_p90", contended, quantile(contended, 0.9))
+            extra["metrics_contended_quantiles"] = [round(quantile(contended, q / 10), 6) for q in range(11)]
+            pblocks, pbs = await small.kv_capacity()
+            if pbs != block_size:
+                raise RuntimeError(f"{preempt_url}: block size {pbs}, the main engine's is {block_size}")
+            put("preempt_onset_tokens", await small.preempt_onset(PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT,
+                                                                   max(2, repeats // 2)))
+            extra["preempt_blocks"] = pblocks
+            extra["preempt_url_version"] = await small.version()
+    return {
+        "engine": {"url": url, "version": version, "num_gpu_blocks": blocks, "block_size": block_size,
+                   **settings},
+        "machine": machine_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repeats": repeats,
+        "measurements": out,
+        "extra": extra,
+    }
+
+
+# ---- files and output ------------------------------------------------------------------------------
+
+def load_measurement(path: str | Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _fmt(v: float | None, unit: str) -> str:
@@ -107,41 +358,100 @@ def _fmt(v: float | None, unit: str) -> str:
         return "-"
     if unit == "s":
         return f"{v * 1000:.2f} ms" if v < 0.1 else f"{v * 1000:.1f} ms"
-    return f"{v:.1f} {unit}"
+    return f"{v:,.0f} {unit}" if unit == "tokens" else f"{v:.1f} {unit}"
 
 
 def render_table(preset: Preset, rows: list[Row]) -> str:
     lines = [f"calibration of preset {preset.name}: {preset.description}",
-             f"{'scenario':<28} {'reference':>12} {'simulated':>12} {'ratio':>7}"]
+             f"{'row':<36} {'measured':>13} {'simulated':>13} {'ratio':>6}  use"]
     for r in rows:
         ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
-        lines.append(f"{r.name:<28} {_fmt(r.reference, r.unit):>12} {_fmt(r.simulated, r.unit):>12} {ratio:>7}")
+        lines.append(f"{r.name:<36} {_fmt(r.measured, r.unit):>13} {_fmt(r.simulated, r.unit):>13} {ratio:>6}  "
+                     f"{'fit' if r.fit else 'held-out'}")
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="sluice sim calibrate",
-                                 description="Compare the engine model with reference measurements.")
-    ap.add_argument("--preset", default="tiny-cpu")
-    ap.add_argument("--json", dest="json_file", default=None, help="also write the rows to FILE")
-    args = ap.parse_args(argv)
-    try:
-        preset = get_preset(args.preset)
-    except ValueError as e:
-        print(f"sim calibrate: {e}", file=sys.stderr)
-        return 2
-    rows = calibrate(preset)
+def _report(preset: Preset, rows: list[Row]) -> int:
     print(render_table(preset, rows))
-    if args.json_file:
-        with open(args.json_file, "w") as f:
-            json.dump([r.as_json() for r in rows], f, indent=2)
-            f.write("\n")
-    bad = [r for r in rows if r.ratio is not None and not LOW <= r.ratio <= HIGH]
+    bad = [r for r in rows if r.ratio is None or not LOW <= r.ratio <= HIGH]
     if bad:
         print(f"out of range ({LOW}-{HIGH}): {', '.join(r.name for r in bad)}", file=sys.stderr)
         return 1
     return 0
 
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="sluice sim calibrate",
+                                 description="Measure a live engine and fit a preset to it, or compare a preset "
+                                             "with a stored measurement.")
+    ap.add_argument("--preset", default=None, help="offline: compare this preset (default tiny-cpu) with its "
+                                                   "measurement")
+    ap.add_argument("--measurement", default=None, help="offline: the measurement JSON to compare with")
+    ap.add_argument("--against", default=None, metavar="URL", help="measure this live engine and fit a preset")
+    ap.add_argument("--preempt-url", default=None, metavar="URL",
+                    help="a second engine of the same kind with a small KV cache, for the preemption row")
+    ap.add_argument("--repeats", type=int, default=5, help="runs per row (medians are kept)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine's --max-num-seqs")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's token budget per step")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's /v1/models")
+    ap.add_argument("--vocab", type=int, default=8192, help="prompts use token ids below this")
+    ap.add_argument("--name", default="measured", help="name of the fitted preset")
+    ap.add_argument("--command", default=None, help="recorded in the JSON: how the engine was started")
+    ap.add_argument("--json", dest="json_file", default=None, help="write the measurement and rows to FILE")
+    ap.add_argument("--write-preset", default=None, metavar="FILE", help="write the fitted preset (JSON)")
+    args = ap.parse_args(argv)
+
+    if args.against is None:
+        try:
+            preset = get_preset(args.preset or "tiny-cpu")
+        except ValueError as e:
+            print(f"sim calibrate: {e}", file=sys.stderr)
+            return 2
+        path = args.measurement or measurement_path(preset)
+        if path is None:
+            print(f"sim calibrate: preset {preset.name} has no measurement; pass --measurement FILE",
+                  file=sys.stderr)
+            return 2
+        rows = calibrate(preset, load_measurement(path))
+        if args.json_file:
+            Path(args.json_file).write_text(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
+        return _report(preset, rows)
+
+    max_model_len = args.max_model_len or _served_max_model_len(args.against)
+    settings = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": max_model_len, "vocab": args.vocab}
+    try:
+        measurement = asyncio.run(measure(args.against, args.preempt_url, args.repeats, settings,
+                                          lambda s: print(s, flush=True)))
+    except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback
+        print(f"sim calibrate: measuring {args.against} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    eng, mach = measurement["engine"], measurement["machine"]
+    description = (f"fitted to vLLM {eng['version']} at {args.against} on {mach['cpu_model']} "
+                   f"({mach['cores']} cores), {measurement['date'][:10]}")
+    base = get_preset(args.preset) if args.preset else get_preset("tiny-cpu")
+    preset = fit_preset(base, measurement, args.name, description)
+    rows = calibrate(preset, measurement)
+    measurement["command"] = args.command or "sluice sim calibrate " + " ".join(argv)
+    measurement["sluice_commit"] = _git_commit()
+    measurement["preset"] = preset_to_json(preset)
+    measurement["rows"] = [r.as_json() for r in rows]
+    if args.json_file:
+        Path(args.json_file).write_text(json.dumps(measurement, indent=2) + "\n")
+    if args.write_preset:
+        Path(args.write_preset).write_text(json.dumps(preset_to_json(preset), indent=2) + "\n")
+    return _report(preset, rows)
+
+
+def _served_max_model_len(url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
+        card = json.loads(r.read())["data"][0]
+    return int(card.get("max_model_len") or 8192)
+
+
+__all__ += ["preset_from_json", "asdict", "CostModel"]
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main(sys.argv[1:]))

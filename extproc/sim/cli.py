@@ -4,7 +4,8 @@
 
 * ``--port N [options]`` (or ``serve --port N ...``): run one replica until SIGTERM/SIGINT;
 * ``fault PORT FAULT [VALUE]``: set a fault on a running replica through its admin listener;
-* ``calibrate [--preset P] [--json FILE]``: compare the engine model with measurements.
+* ``calibrate [--preset P] [--json FILE]``: compare a preset with its stored measurement;
+  ``calibrate --against URL [--json FILE] [--write-preset FILE]``: measure a live engine and fit a preset.
 
 Exit codes: 0 ok, 1 failure (calibration out of range, admin call refused), 2 usage or
 start-up error (bad flag, port taken) with a one-line message and no traceback.
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--name", default=None, help="replica name for x-sim-replica (default host:port)")
     ap.add_argument("--model", default="sim-model", help="served model name")
-    ap.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="tiny-cpu",
+                    help=f"{', '.join(sorted(PRESETS))}, or a preset file from `calibrate --write-preset`")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="run this many times faster than the modelled hardware")
     ap.add_argument("--seed", type=int, default=0)
@@ -44,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--mean-output-tokens", type=float, default=None,
                     help="mean of the natural output length when max_tokens is absent")
-    ap.add_argument("--prefix-cache", action="store_true", help="enable automatic prefix caching")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--no-enable-prefix-caching", dest="prefix_cache", action="store_false",
+                       help="turn automatic prefix caching off (on by default, as in vLLM 0.32)")
+    cache.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache", action="store_true",
+                       help="automatic prefix caching (the default)")
+    ap.set_defaults(prefix_cache=True)
     ap.add_argument("--metrics-style", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--admin-port", type=int, default=None,
                     help="admin listener port (default port+1000; -1 disables)")

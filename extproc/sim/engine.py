@@ -175,20 +175,26 @@ def block_hashes(ids: list[int], block_size: int) -> tuple[int, ...]:
 
 
 class BlockPool:
-    """KV blocks: free, in use, or cached-and-evictable (ref count 0, LRU order)."""
+    """KV blocks: free, in use, or cached-and-evictable (ref count 0, LRU order).
+
+    Like vLLM's BlockPool, one block is the null block (a placeholder that never holds a token), so
+    ``total`` blocks hold ``total - 1`` blocks of tokens; measured: 8 streams of 1,024-token prompts on
+    an 80-block engine are preempted when they need their 10th block each (79 usable, not 80)."""
 
     __slots__ = ("total", "lost", "free", "refs", "evictable")
+
+    NULL_BLOCKS = 1
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.lost = 0  # blocks removed by the kv-shrink fault
-        self.free = total  # free blocks holding nothing cached
+        self.free = max(total - self.NULL_BLOCKS, 0)  # free blocks holding nothing cached
         self.refs: dict[int, int] = {}  # hash -> holders
         self.evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def capacity(self) -> int:
-        return self.total - self.lost
+        return max(self.total - self.NULL_BLOCKS - self.lost, 0)
 
     def num_free(self) -> int:
         return self.free + len(self.evictable)
@@ -241,7 +247,7 @@ class Engine:
 
     def __init__(self, cost: CostModel, *, num_gpu_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 prefix_cache: bool = False, time_scale: float = 1.0) -> None:
+                 prefix_cache: bool = True, time_scale: float = 1.0) -> None:
         self.cost = cost
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -284,7 +290,7 @@ class Engine:
     def add(self, req: Request, arrival: float | None = None) -> None:
         """Queue a request that arrived at ``arrival`` (default: now) at the API server."""
         req.arrival = self.clock if arrival is None else arrival
-        req.ready_at = req.arrival + self.cost.frontend
+        req.ready_at = req.arrival + self.cost.frontend + self.cost.frontend_tok * req.prompt_len
         req.status = WAITING
         self.waiting.append(req)
         self._by_id[req.rid] = req
@@ -382,7 +388,8 @@ class Engine:
         items: list[tuple[Request, int]] = []
         prefill = 0
         samples = 0
-        pairs = 0.0
+        pairs = 0.0  # query-key pairs within the prefill chunks
+        ctx_pairs = 0.0  # pairs of chunk tokens with the context computed before the chunk
         kv_read = 0
         preempted = False
         i = 0
@@ -412,7 +419,8 @@ class Engine:
                 kv_read += req.num_computed + 1  # a decode reads its whole context
             else:
                 prefill += n
-                pairs += n * (req.num_computed + (n + 1) * 0.5)
+                pairs += n * (n + 1) * 0.5
+                ctx_pairs += n * req.num_computed
             i += 1
 
         if not preempted:
@@ -461,13 +469,14 @@ class Engine:
                 if n == remaining:
                     samples += 1
                 prefill += n
-                pairs += n * (computed + (n + 1) * 0.5)
+                pairs += n * (n + 1) * 0.5
+                ctx_pairs += n * computed
 
         if not items:
             # Everything running was preempted (the first request could not grow): plan again,
             # this time from the waiting queue, rather than stalling for a step.
             return self.schedule() if preempted else None
-        duration = self.cost.step_seconds(prefill, samples, pairs, kv_read) * self.slow_factor
+        duration = self.cost.step_seconds(prefill, samples, pairs, kv_read, ctx_pairs) * self.slow_factor
         return Step(now, duration, items, prefill, samples)
 
     def complete(self, step: Step) -> list[Request]:

@@ -13,10 +13,13 @@ recover        -           API listener reopened on the same port with an empty 
 error-rate     0..1        that share of requests is answered 500 at once
 kv-shrink      0..0.99     that fraction of KV blocks is lost (running work may be preempted)
 no-abort       [bool]      a client disconnect does not abort the request (ghost tokens)
+metrics-       seconds or  every GET /metrics answer waits that long (seconds), or a latency drawn
+latency        contended   from the preset's measurement of two busy engines on one machine
 clear          -           every fault off (and recover if crashed)
 =============  ==========  =====================================================================
 
-Slow with value 1, hang/no-abort with value false, error-rate/kv-shrink with 0 switch one off.
+Slow with value 1, hang/no-abort with value false, error-rate/kv-shrink/metrics-latency with 0 switch one
+off.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 __all__ = ["Faults", "FaultError", "FAULT_NAMES", "parse_fault", "parse_fault_arg"]
 
-FAULT_NAMES = ("slow", "hang", "crash", "recover", "error-rate", "kv-shrink", "no-abort", "clear")
+FAULT_NAMES = ("slow", "hang", "crash", "recover", "error-rate", "kv-shrink", "no-abort", "metrics-latency",
+               "clear")
 
 
 class FaultError(ValueError):
@@ -41,6 +45,7 @@ class Faults:
     error_rate: float = 0.0
     kv_shrink: float = 0.0
     no_abort: bool = False
+    metrics_latency: float | str = 0.0  # seconds, or "contended"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +91,10 @@ def parse_fault(name: str, value: Any = None) -> tuple[str, Any]:
         return n, _float(n, value, 0.0, 1.0)
     if n == "kv-shrink":
         return n, _float(n, value, 0.0, 0.99)
+    if n == "metrics-latency":
+        if isinstance(value, str) and value.strip().lower() == "contended":
+            return n, "contended"
+        return n, _float(n, value, 0.0, 3600.0)
     raise FaultError(f"unknown fault {name!r}; known: {', '.join(FAULT_NAMES)}")
 
 

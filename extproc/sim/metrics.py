@@ -79,6 +79,7 @@ class SimCollector(Collector):
         self.model_name = model_name
         self.style = style
         self.engine_label = engine_label
+        self.lagging_running = 0  # aborted requests the running gauge still shows (CostModel.abort)
 
     def collect(self) -> Iterator[Metric]:
         eng = self._engine()
@@ -117,7 +118,8 @@ class SimCollector(Collector):
                                  labels=[*labels, "block_size", "num_gpu_blocks"])
         info.add_metric([*values, str(eng.block_size), str(eng.num_gpu_blocks)], 1.0)
         yield info
-        yield gauge("running", "Number of requests in model execution batches.", len(eng.running))
+        yield gauge("running", "Number of requests in model execution batches.",
+                    len(eng.running) + self.lagging_running)
         yield gauge("waiting", "Number of requests waiting to be processed.", len(eng.waiting))
         yield gauge("kv_usage", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage())
         yield counter("prefix_queries", "Prefix cache queries, in terms of number of queried tokens.",

@@ -2,34 +2,46 @@
 
 The cost of one engine step (one forward pass over a batch, vLLM V1 style) is
 
-    step_s = base + prefill_tok * P + decode_seq * S + attn_pair * A + kv_read_tok * K
+    step_s = base + prefill_tok * P + decode_seq * S + attn_pair * A + attn_ctx_pair * C + kv_read_tok * K
 
 * ``P``: prefill tokens computed in the step (chunks of prompts, capped by the token budget);
 * ``S``: sequences that sample a token in the step (decodes plus prompts finishing prefill);
-* ``A``: attention pairs of prefill chunks: a chunk of ``n`` tokens whose first token sits at
-  position ``c`` attends to ``n * (c + (n + 1) / 2)`` earlier tokens. This term is what makes
-  an 8,000-token prompt cost more than twice a 4,000-token one (attention is quadratic);
+* ``A``: attention pairs within prefill chunks: a chunk of ``n`` tokens adds ``n * (n + 1) / 2``;
+* ``C``: pairs of a chunk with the context before it: a chunk of ``n`` tokens starting at
+  position ``c`` adds ``n * c`` (earlier chunks, or a prefix-cache hit). ``A`` and ``C`` make an
+  8,000-token prompt cost more than twice a 4,000-token one (attention is quadratic);
 * ``K``: context tokens read by decodes (each decode reads its whole KV cache).
 
-A request also pays ``frontend`` once, before it reaches the engine queue: HTTP parsing,
-tokenization and the hop from vLLM's API server process to EngineCore. It delays that request
-only; it does not occupy the engine.
+A request also pays ``frontend + frontend_tok * prompt_tokens`` once, before it reaches the engine
+queue: HTTP parsing, tokenization, hashing and the hop from vLLM's API server process to EngineCore.
+It delays that request only; it does not occupy the engine.
 
-The constants of ``tiny-cpu`` are fitted to a real vLLM 0.32 CPU build serving a tiny model on
-this project's machines (see docs/simulator.md and ``python -m extproc.sim calibrate``); those
-of ``llama-8b-h100`` are derived from public hardware and model specifications, cited inline.
+The constants of ``tiny-cpu`` are fitted by ``sluice sim calibrate --against`` to a measurement of a
+real vLLM 0.32 CPU engine (bench/results/calibration-vllm-cpu.json; docs/simulator.md); those of
+``llama-8b-h100`` are derived from public hardware and model specifications, cited inline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
-__all__ = ["CostModel", "Preset", "PRESETS", "get_preset"]
+__all__ = ["CostModel", "Preset", "PRESETS", "get_preset", "measurement_path", "preset_to_json",
+           "preset_from_json", "contended_quantile"]
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per unit of work in one engine step (see the module docstring for the formula)."""
+    """Seconds per unit of work in one engine step (see the module docstring for the formula).
+
+    ``abort``, ``metrics_base`` and ``metrics_per_seq`` are API-server costs, not engine steps: the
+    time from a client's disconnect until the engine drops the request, and how long ``GET /metrics``
+    takes (``metrics_base + metrics_per_seq * running``).
+    """
 
     base: float
     prefill_tok: float
@@ -37,15 +49,27 @@ class CostModel:
     attn_pair: float
     kv_read_tok: float
     frontend: float
+    attn_ctx_pair: float | None = None  # per (chunk token, earlier-context token) pair; None: attn_pair
+    frontend_tok: float = 0.0  # API-server work per prompt token before the engine sees the request
+    abort: float = 0.0
+    metrics_base: float = 0.0
+    metrics_per_seq: float = 0.0
 
-    def step_seconds(self, prefill_tokens: int, samples: int, attn_pairs: float, kv_read: int) -> float:
+    def step_seconds(self, prefill_tokens: int, samples: int, attn_pairs: float, kv_read: int,
+                     ctx_pairs: float = 0.0) -> float:
+        ctx = self.attn_pair if self.attn_ctx_pair is None else self.attn_ctx_pair
         return (
             self.base
             + self.prefill_tok * prefill_tokens
             + self.decode_seq * samples
             + self.attn_pair * attn_pairs
+            + ctx * ctx_pairs
             + self.kv_read_tok * kv_read
         )
+
+    def metrics_latency(self, running: int, prefilling: int = 0) -> float:
+        """Seconds one ``GET /metrics`` takes with ``running`` sequences in the engine."""
+        return self.metrics_base + self.metrics_per_seq * running
 
 
 @dataclass(frozen=True)
@@ -63,50 +87,52 @@ class Preset:
     mean_output_tokens: float = 200.0
     # Reference measurements the calibration compares against: name -> value (seconds or tok/s).
     references: dict[str, float] = field(default_factory=dict)
+    # The measurement (a `sluice sim calibrate --against` JSON under bench/results/) it was fitted to.
+    measurement: str | None = None
+    # GET /metrics latency with two busy engines sharing the machine: deciles 0, 0.1 .. 1 (seconds),
+    # measured; the `metrics-latency contended` fault draws each scrape's latency from them.
+    metrics_contended: tuple[float, ...] = ()
 
     def with_overrides(self, **kw: object) -> "Preset":
         kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)  # type: ignore[arg-type]
 
 
-# tiny-cpu: fitted (least squares by hand, then checked by `calibrate`) to these real vLLM 0.32
-# CPU-build measurements (docs/ARCHITECTURE.md, "Reference behaviour"):
-#   TTFT 15-18 ms @ 100 prompt tokens, 330-350 ms @ 4,000, ~1.1 s @ 8,000;
-#   decode 3.6-6.5 ms/token alone; 139-190 tokens/s per stream with 16 concurrent streams
-#   (read as per stream: a batch of 16 costs ~6 ms per step, barely more than 1 stream,
-#   which is what a weight-bandwidth-bound decode looks like; 139-190 tok/s *aggregate*
-#   would mean 84-115 ms per step for 16 sequences, 20x a single stream, which no
-#   batched engine shows);
-#   short requests behind a 4,000-token prompt: TTFT 26-430 ms.
-# Solving TTFT(100), TTFT(4000), TTFT(8000) with 2,048-token chunks gives the quadratic
-# term: TTFT(8000) - 2*TTFT(4000) ~= attn_pair * 16e6 - frontend.
+# tiny-cpu: fitted by `python -m bench.vllm_cpu calibrate` (sluice sim calibrate --against) to a real
+# vLLM 0.32.0 CPU engine on this project's machine kind (AMD EPYC, 2 cores), 2026-12-02,
+# sluice commit d84ce9b; the measurement, with every sample, the command and the rows, is
+# bench/results/calibration-vllm-cpu.json, and tests/sim/test_sim_calibration.py keeps these constants equal
+# to the fit stored there. The engine: the tiny random Llama of bench/vllm_cpu.py (hidden 128, 4 layers),
+# --dtype float32, --max-num-seqs 64, --max-num-batched-tokens 2048 (default), --enforce-eager, one core
+# (VLLM_CPU_OMP_THREADS_BIND=0), --kv-cache-memory-bytes 256M = 512 blocks of 128 tokens.
 TINY_CPU = Preset(
     name="tiny-cpu",
-    description="tiny model on vLLM 0.32's CPU backend (2 cores), fitted to measurements",
+    description="tiny random Llama on vLLM 0.32.0's CPU backend, one core, fitted to a measurement",
     cost=CostModel(
-        base=4.9e-3,
-        prefill_tok=26.8e-6,
-        decode_seq=70e-6,
-        attn_pair=26.8e-9,
-        kv_read_tok=26.8e-9,
-        frontend=8.6e-3,
+        base=0.003747,
+        prefill_tok=2.767e-05,
+        decode_seq=0.0002449,
+        attn_pair=1.04e-07,
+        kv_read_tok=1.274e-12,
+        frontend=0.006093,
+        attn_ctx_pair=7.385e-08,
+        frontend_tok=1.554e-06,
+        abort=0.02223,
+        metrics_base=0.01924,
+        metrics_per_seq=0.0002682,
     ),
-    # A 0.5B-class model (24 layers, 2 KV heads x 64 dims, bf16 = 12 KiB/token) in vLLM's
-    # default 4 GiB CPU KV space would hold ~350k tokens; 4,096 blocks (65,536 tokens) is
-    # chosen instead so KV pressure (P7, P9) shows up in demos. Override with --num-gpu-blocks.
-    num_gpu_blocks=4096,
+    num_gpu_blocks=512,
+    block_size=128,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+    # The engine serves 8,192 positions; the simulator keeps 32,768 so scenarios with longer prompts
+    # (P3's 12,000 tokens) still run on it.
     max_model_len=32768,
-    references={
-        "ttft_100": 0.0165,  # 15-18 ms
-        "ttft_4000": 0.340,  # 330-350 ms
-        "ttft_8000": 1.10,  # about 1.1 s
-        "decode_ms_per_token_1": 0.00505,  # 3.6-6.5 ms per token, one stream (midpoint)
-        "decode_tok_s_per_stream_16": 164.5,  # 139-190 tok/s per stream at 16 streams (midpoint)
-        "hol_short_ttft_min": 0.026,  # lower end of 26-430 ms
-        "hol_short_ttft_max": 0.430,  # upper end of 26-430 ms
-        "hol_short_ttft_mean": 0.228,  # midpoint of 26-430 ms (arrivals spread over the prefill)
-    },
+    mean_output_tokens=200.0,
+    measurement="calibration-vllm-cpu.json",
+    metrics_contended=(0.031971, 0.042288, 0.049635, 0.057783, 0.065298, 0.074217, 0.078175, 0.129985, 0.1572, 0.564163, 3.200092),
 )
+
 
 # llama-8b-h100: Llama-3.1-8B-Instruct, bf16, one H100 SXM 80 GB, vLLM defaults.
 # Sources (public):
@@ -143,7 +169,51 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, LLAMA_8B_H100)}
 
 
 def get_preset(name: str) -> Preset:
-    try:
+    """A named preset, or one written by ``sluice sim calibrate --write-preset FILE`` (a .json path)."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+    if name.endswith(".json") and Path(name).is_file():
+        try:
+            return preset_from_json(json.loads(Path(name).read_text()))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"preset file {name}: {e}") from None
+    raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))} or a preset .json file")
+
+
+def measurement_path(preset: Preset) -> Path | None:
+    """The stored measurement ``preset`` was fitted to, when it has one and the file is here."""
+    if preset.measurement is None:
+        return None
+    path = RESULTS_DIR / preset.measurement
+    if path.is_file():
+        return path
+    try:  # an installed (non-editable) package carries bench/results as package data
+        from importlib.resources import files
+
+        res = files("bench") / "results" / preset.measurement
+        return Path(str(res)) if res.is_file() else None
+    except (ModuleNotFoundError, OSError):
+        return None
+
+
+def contended_quantile(deciles: tuple[float, ...], q: float) -> float:
+    """The ``q`` quantile (0..1) of a distribution given by its deciles, linear in between."""
+    if not deciles:
+        return 0.0
+    pos = min(max(q, 0.0), 1.0) * (len(deciles) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(deciles) - 1)
+    return deciles[lo] + (deciles[hi] - deciles[lo]) * (pos - lo)
+
+
+def preset_to_json(p: Preset) -> dict[str, Any]:
+    data = asdict(p)
+    data.pop("references", None)
+    return data
+
+
+def preset_from_json(data: dict[str, Any]) -> Preset:
+    data = dict(data)
+    cost = CostModel(**data.pop("cost"))
+    data["metrics_contended"] = tuple(data.get("metrics_contended", ()))
+    return Preset(cost=cost, **data)

@@ -118,10 +118,12 @@ class EngineRunner:
         eng.add(req, now)
         self._wake.set()
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request) -> bool:
         if self.engine.abort(req):
             self._pending.add(req)
             self._wake.set()
+            return True
+        return False
 
     def deliver(self) -> None:
         """Wake every handler whose request got tokens or finished since the last delivery."""

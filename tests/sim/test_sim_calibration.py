@@ -1,0 +1,87 @@
+"""Calibration: tiny-cpu against its committed measurement of real vLLM, the fit, preset files."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from extproc.sim import cli
+from extproc.sim.calibrate import HIGH, LOW, SPEC_BY_NAME, calibrate, fit_preset, load_measurement
+from extproc.sim.presets import PRESETS, TINY_CPU, get_preset, measurement_path, preset_from_json, preset_to_json
+
+
+@pytest.fixture(scope="module")
+def measurement() -> dict:
+    path = measurement_path(TINY_CPU)
+    assert path is not None, "tiny-cpu must name its committed measurement under bench/results/"
+    return load_measurement(path)
+
+
+def test_tiny_cpu_is_within_range_of_real_vllm_on_every_row(measurement: dict) -> None:
+    rows = calibrate(TINY_CPU, measurement)
+    assert len(rows) >= 8
+    assert sum(not r.fit for r in rows) >= 6  # held-out rows check the fit
+    bad = [(r.name, r.ratio) for r in rows if r.ratio is None or not LOW <= r.ratio <= HIGH]
+    assert not bad, bad
+    kinds = {SPEC_BY_NAME[r.name].kind for r in rows}
+    assert kinds >= {"ttft", "decode", "hol_mean", "hol_max", "prefix_hit", "kv", "abort", "preempt", "metrics"}
+
+
+def test_measurement_names_the_engine_and_the_machine(measurement: dict) -> None:
+    assert measurement["engine"]["version"].startswith("0.32")
+    assert measurement["machine"]["cpu_model"] and measurement["machine"]["cores"] >= 1
+    assert measurement["command"] and measurement["date"]
+    assert all(len(m["samples"]) >= 1 for m in measurement["measurements"].values())
+
+
+def test_tiny_cpu_constants_are_the_committed_fit(measurement: dict) -> None:
+    stored = preset_from_json(measurement["preset"])
+    assert stored.cost == TINY_CPU.cost
+    assert (stored.num_gpu_blocks, stored.block_size, stored.max_num_seqs, stored.max_num_batched_tokens) == \
+        (TINY_CPU.num_gpu_blocks, TINY_CPU.block_size, TINY_CPU.max_num_seqs, TINY_CPU.max_num_batched_tokens)
+    assert stored.metrics_contended == TINY_CPU.metrics_contended
+
+
+def test_the_fit_never_reads_held_out_rows(measurement: dict) -> None:
+    skewed = copy.deepcopy(measurement)
+    for name, m in skewed["measurements"].items():
+        if name in SPEC_BY_NAME and not SPEC_BY_NAME[name].fit:
+            m["value"] *= 10
+    a = fit_preset(TINY_CPU, measurement, "a", "a")
+    b = fit_preset(TINY_CPU, skewed, "a", "a")
+    assert a == b
+
+
+def test_offline_cli_compares_with_the_committed_measurement(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.json"
+    assert cli.main(["calibrate", "--preset", "tiny-cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["use"] for r in rows} == {"fit", "held-out"}
+    assert all(LOW <= r["ratio"] <= HIGH for r in rows)
+    assert "hol_short_ttft_max" in capsys.readouterr().out
+
+
+def test_a_preset_without_measurement_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["calibrate", "--preset", "llama-8b-h100"]) == 2
+    assert cli.main(["calibrate", "--preset", "nope"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_every_preset_simulates_every_row(measurement: dict) -> None:
+    for p in PRESETS.values():
+        rows = {r.name: r.simulated for r in calibrate(p, measurement)}
+        assert rows["ttft_128"] < rows["ttft_4000"] < rows["ttft_8000"]
+
+
+def test_written_preset_file_round_trips_and_serves(tmp_path: Path) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(preset_to_json(TINY_CPU)))
+    assert get_preset(str(path)) == TINY_CPU
+    args = cli.build_parser().parse_args(["--port", "0", "--preset", str(path)])
+    assert args.preset == str(path)
+    assert asdict(get_preset(str(path)).cost) == asdict(TINY_CPU.cost)
