@@ -17,7 +17,6 @@ RUN pip install .[k8s] \
     && mkdir -p /var/lib/sluice/envoy && chown sluice /var/lib/sluice/envoy
 # /var/lib/sluice/envoy: where `sluice serve --xds-out` writes Envoy's files in docker-compose.yml (a named volume
 # mounted there takes this directory's owner, so the sidecar may write it and Envoy read it)
-COPY sluice.yaml ./
 
 USER sluice
 # ext_proc gRPC, /metrics, admin API (loopback only), simulator API
