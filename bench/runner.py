@@ -496,6 +496,11 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
     finally:
         backend.end_run()
         stack.stop()
+    return finished(run, info, t_start)
+
+
+def finished(run: RunData, info: dict[str, Any], t_start: float) -> tuple[RunData, dict[str, Any]]:
+    """A system-run's wall time and request counts, into its `_meta` info."""
     run.wall_s = time.monotonic() - t_start
     info["wall_s"] = round(run.wall_s, 1)
     info["requests"] = len({r.user for r in run.records})

@@ -12,7 +12,6 @@ Three shapes share one listener so benchmarks compare like with like:
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -111,6 +110,7 @@ from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as PbAny, Struct
 
 from extproc.config import Policy
+from extproc.discovery import is_ip
 from extproc.discovery.eds import eds_cluster_config, eds_path, load_assignment, write_eds
 from extproc.xds_files import discovery_doc as _discovery_doc, to_dict as _to_dict, write_atomic as _write_atomic
 
@@ -136,14 +136,6 @@ def _typed(name: str, msg: Any) -> TypedExtensionConfig:
 
 def _addr(host: str, port: int) -> Address:
     return Address(socket_address=SocketAddress(address=host, port_value=port))
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _circuit_breakers(policy: Policy, with_retry_budget: bool) -> CircuitBreakers:
@@ -226,7 +218,7 @@ def render_clusters(policy: Policy, mode: str = "sluice", xds_dir: str | Path | 
                 PROTOCOL_OPTIONS_KEY: _http2_options(policy.gateway.http2_stream_window_bytes)},
             circuit_breakers=_circuit_breakers(policy, with_retry_budget=False),
         )
-        if not _is_ip(policy.sidecar.envoy_host):
+        if not is_ip(policy.sidecar.envoy_host):
             # Reached by name (a compose service, a Kubernetes Service): Envoy resolves it and follows changes.
             sidecar.type = ClusterDiscoveryType.STRICT_DNS
             sidecar.dns_lookup_family = ClusterDnsLookupFamily.V4_PREFERRED

@@ -169,8 +169,4 @@ class S(Scenario):
                 stack.stop()
             if redis is not None:
                 redis.stop()
-        run.wall_s = time.monotonic() - t_start
-        info["wall_s"] = round(run.wall_s, 1)
-        info["requests"] = len({r.user for r in run.records})
-        info["attempts"] = len(run.records)
-        return run, info
+        return runner.finished(run, info, t_start)
