@@ -441,7 +441,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
             started.set()
 
         n = len(urls)
-        load = asyncio.create_task(asyncio.gather(*(
+        load = asyncio.ensure_future(asyncio.gather(*(
             run_open_loop(url, arrivals[i::n], deadline, seed=seed + i, on_start=on_start if i == 0 else None,
                           max_arrivals=20000, rcvbuf=sc.client_rcvbuf) for i, url in enumerate(urls))))
         waiter = asyncio.create_task(started.wait())
