@@ -13,7 +13,10 @@ COPY extproc ./extproc
 COPY bench ./bench
 # [k8s]: the Kubernetes client, for InferencePool endpoint discovery (deploy/k8s)
 RUN pip install .[k8s] \
-    && useradd --system --uid 10001 --no-create-home sluice
+    && useradd --system --uid 10001 --no-create-home sluice \
+    && mkdir -p /var/lib/sluice/envoy && chown sluice /var/lib/sluice/envoy
+# /var/lib/sluice/envoy: where `sluice serve --xds-out` writes Envoy's files in docker-compose.yml (a named volume
+# mounted there takes this directory's owner, so the sidecar may write it and Envoy read it)
 
 USER sluice
 # ext_proc gRPC, /metrics, admin API (loopback only), simulator API

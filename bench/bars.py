@@ -71,7 +71,8 @@ OWN_HEADLINE = {"P4", "P4n", "P12"}
 # the SLO everywhere; tenants where the scenario is about tenants; a task budget and the sidecar topology that
 # shares it where it is about agents.
 ALLOWED_EVERYWHERE = ("admission.ttft_target_s",)
-ALLOWED_FOR = {"P1f": ("tenants.",), "P11": ("tenants.", "budgets.tasks.", "budgets.store.", "sidecar.workers")}
+ALLOWED_FOR = {"P1f": ("tenants.",), "P11": ("tenants.", "budgets.tasks.", "budgets.store.", "sidecar.workers"),
+               "PG": ("budgets.store.",)}
 
 
 def _paths(tree: Any, prefix: str = "") -> list[str]:

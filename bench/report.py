@@ -63,9 +63,9 @@ def ordered_systems(systems: list[str]) -> list[str]:
     return [s for s in SYSTEM_ORDER if s in systems] + [s for s in systems if s not in SYSTEM_ORDER]
 
 
-def reproduced_label(flag: bool | None) -> str:
+def reproduced_label(flag: bool | None, judge: str = "envoy-rr") -> str:
     if flag is None:
-        return "not run (envoy-rr missing)"
+        return f"not run ({judge} missing)"
     return "yes" if flag else "**problem not reproduced**"
 
 
@@ -126,7 +126,8 @@ def render_table(sc: Scenario, by_system: dict[str, dict[str, Any]], reproduced:
         lines.append(f"| {label} | {' | '.join(cells)} | {m.better if m else ''} |")
     out = "\n".join(lines) + "\n\nPer class (SLO goodput req/s / TTFT p95 from the first send, s, censored / " \
         "calls that failed of those offered):\n\n" + class_table(by_system, sc.refused_classes)
-    out += f"\n\nProblem reproduced on envoy-rr: {reproduced_label(reproduced)}" + (f" ({why})" if why else "") + "\n"
+    out += (f"\n\nProblem reproduced on {sc.reproduced_on}: {reproduced_label(reproduced, sc.reproduced_on)}"
+            + (f" ({why})" if why else "") + "\n")
     for s, err in (errors or {}).items():
         if err:
             out += f"\n{s}: error: {err.splitlines()[0][:300]}\n"

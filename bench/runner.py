@@ -38,7 +38,7 @@ import aiohttp
 
 from bench.backends import SimBackend, VllmBackend, make_backend
 from bench.capacity import EngineSpec, capacity_rps
-from bench.openloop import raise_nofile, run_open_loop
+from bench.openloop import Record, raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
 from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals, worst_class_ratio
@@ -405,14 +405,31 @@ def diagnostics(run: RunData) -> dict[str, Any]:
     return out
 
 
+def _spread(loads: list[tuple[list[Record], float]]) -> list[Record]:
+    """The records of the open loops that replayed `arrivals[i::n]` (one per gateway), as one loop's: user ids
+    back to the arrival's index, times onto the first loop's t0."""
+    n = len(loads)
+    t0 = loads[0][1]
+    out: list[Record] = []
+    for i, (records, loop_t0) in enumerate(loads):
+        by = loop_t0 - t0
+        for r in records:
+            moved = {k: getattr(r, k) + by for k in ("sched", "start", "headers_at", "first_token", "end",
+                                                      "first_send") if getattr(r, k) is not None}
+            out.append(dataclasses.replace(r, user=i + r.user * n, **moved))
+    return out
+
+
 async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int,
-                backend: Backend) -> None:
+                backend: Backend, gateways: list[Stack] | None = None) -> None:
+    """Replay the workload through `stack`, or spread round robin over `gateways` (several gateways in front of
+    the pool `stack` runs, as an L4 balancer would spread clients); poll, inject faults, collect."""
     ts = float(sc.time_scale)
     arrivals = scale_arrivals(wl.arrivals, ts)
     deadline = (wl.duration + wl.drain) / ts
     run.duration = wl.duration / ts
     run.extra["deadline"] = deadline
-    url = stack.base_url + "/v1/chat/completions"
+    urls = [g.base_url + "/v1/chat/completions" for g in (gateways or [stack])]
     t0: list[float] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as side:
@@ -424,8 +441,10 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
             t0.append(t)
             started.set()
 
-        load = asyncio.create_task(run_open_loop(url, arrivals, deadline, seed=seed, on_start=on_start,
-                                                 max_arrivals=20000, rcvbuf=sc.client_rcvbuf))
+        n = len(urls)
+        load = asyncio.ensure_future(asyncio.gather(*(
+            run_open_loop(url, arrivals[i::n], deadline, seed=seed + i, on_start=on_start if i == 0 else None,
+                          max_arrivals=20000, rcvbuf=sc.client_rcvbuf) for i, url in enumerate(urls))))
         waiter = asyncio.create_task(started.wait())
         await asyncio.wait([load, waiter], return_when=asyncio.FIRST_COMPLETED)
         if not started.is_set():
@@ -435,8 +454,8 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
         helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
                    asyncio.create_task(sc.during(ctl, run, quick))]
         try:
-            records, _ = await load
-            run.records = records
+            loads = await load
+            run.records = loads[0][0] if n == 1 else _spread(loads)
         finally:
             for h in helpers:
                 if not h.done():
@@ -478,6 +497,11 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
     finally:
         backend.end_run()
         stack.stop()
+    return finished(run, info, t_start)
+
+
+def finished(run: RunData, info: dict[str, Any], t_start: float) -> tuple[RunData, dict[str, Any]]:
+    """A system-run's wall time and request counts, into its `_meta` info."""
     run.wall_s = time.monotonic() - t_start
     info["wall_s"] = round(run.wall_s, 1)
     info["requests"] = len({r.user for r in run.records})
@@ -514,10 +538,13 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             out[sc.id] = {}
             runs: dict[str, RunData] = {}
             meta["time_scale"][sc.id] = sc.time_scale
-            for system in systems:
+            for system in sc.systems or systems:
                 if verbose:
                     print(f"[{sc.id}] {system} ...", flush=True)
-                run, info = run_one(sc, system, quick, seed, workdir, backend)
+                if sc.systems:
+                    run, info = sc.run_system(system, quick, seed, workdir, backend)
+                else:
+                    run, info = run_one(sc, system, quick, seed, workdir, backend)
                 meta["runs"].setdefault(sc.id, {})[system] = info
                 if run is None:
                     out[sc.id][system] = {m.key: None for m in sc.metrics_doc}
@@ -551,14 +578,15 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                     print(f"[{sc.id}] plot failed: {exc}", file=sys.stderr)
             meta["reproduced_by"][sc.id] = {s: list(sc.reproduced(m)) for s, m in out[sc.id].items()
                                             if s in runs and m}
-            rr = out[sc.id].get("envoy-rr")
-            if "envoy-rr" in systems and rr is not None and runs.get("envoy-rr") is not None:
+            judge = sc.reproduced_on
+            rr = out[sc.id].get(judge)
+            if rr is not None and runs.get(judge) is not None:
                 ok, why = sc.reproduced(rr)
             else:
-                ok, why = None, "envoy-rr not run"
+                ok, why = None, f"{judge} not run"
             meta["reproduced"][sc.id] = ok
             meta["why"][sc.id] = why
-            print(f"{sc.id} reproduced on envoy-rr: {'yes' if ok else ('not run' if ok is None else 'no')}"
+            print(f"{sc.id} reproduced on {judge}: {'yes' if ok else ('not run' if ok is None else 'no')}"
                   f" ({why})", flush=True)
             report.write_scenario(sc, out[sc.id], meta, results_dir)
     finally:

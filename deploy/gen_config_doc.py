@@ -16,6 +16,7 @@ import inspect
 import json
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,14 @@ def class_summary(cls: type) -> str:
 # ---- rendering ------------------------------------------------------------------------------------------
 
 def dataclass_in(tp: Any) -> tuple[type | None, bool]:
-    """(dataclass, is_list) for a field type like `HealthPolicy` or `list[LanePolicy]`."""
+    """(dataclass, is_list) for a field type like `HealthPolicy`, `KubernetesSource | None` or
+    `list[LanePolicy]`."""
     if dataclasses.is_dataclass(tp):
         return tp, False  # type: ignore[return-value]
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return dataclass_in(inner[0]) if len(inner) == 1 else (None, False)
     if origin in (list, tuple):
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         if args and dataclasses.is_dataclass(args[0]):
@@ -102,6 +107,10 @@ def fmt_default(f: dataclasses.Field, cls: type) -> str:
 def type_name(tp: Any, raw: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and typing.get_origin(inner[0]) is typing.Literal:
+            return type_name(inner[0], None) + " or null"
     text = raw if isinstance(raw, str) else getattr(tp, "__name__", str(tp))
     return text.replace("typing.", "").replace("|", "or")
 

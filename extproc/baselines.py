@@ -58,6 +58,7 @@ from envoy_data_plane.envoy.type.v3 import TokenBucket
 from envoy_data_plane.google.protobuf import Any as PbAny
 
 from extproc.config import Policy
+from extproc.xds_files import to_dict, write_atomic
 
 MODES = ("envoy-tuned", "smg")
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs, when the operator does not know the engine's
@@ -81,9 +82,7 @@ def _typed(name: str, msg: Any) -> TypedExtensionConfig:
 
 
 def _dict(msg: Any) -> dict[str, Any]:
-    from extproc.xds import _to_dict
-
-    return _to_dict(msg)
+    return to_dict(msg)
 
 
 def _packed(msg: Any) -> dict[str, Any]:
@@ -220,10 +219,10 @@ def render_envoy_tuned(policy: Policy, out_dir: Path, opts: BaselineOptions,
             if opts.tenant_rps:
                 route["route"]["rate_limits"] = [_dict(r) for r in tuned_rate_limits(opts)]
     paths = {"bootstrap": out_dir / "bootstrap.yaml", "lds": out_dir / "lds.yaml", "cds": out_dir / "cds.yaml"}
-    xds._write_atomic(paths["cds"], {"resources": clusters})
-    xds._write_atomic(paths["lds"], {"resources": [listener]})
+    write_atomic(paths["cds"], {"resources": clusters})
+    write_atomic(paths["lds"], {"resources": [listener]})
     where = Path(xds_dir) if xds_dir is not None else out_dir.resolve()
-    xds._write_atomic(paths["bootstrap"], _dict(xds.render_bootstrap(policy, where)))
+    write_atomic(paths["bootstrap"], _dict(xds.render_bootstrap(policy, where)))
     return paths
 
 
@@ -253,7 +252,7 @@ def smg_argv(policy: Policy) -> list[str]:
     smg logs two lines per request at info."""
     gw = policy.gateway
     return [smg_binary(), "launch", "--host", gw.host, "--port", str(gw.port),
-            "--worker-urls", *[f"http://{a}" for a in policy.default_pool.replicas],
+            "--worker-urls", *[f"http://{a}" for a in policy.default_pool.addresses],
             "--policy", "cache_aware", "--prometheus-host", gw.admin_host, "--prometheus-port", str(gw.admin_port),
             "--log-level", "warn",
             # start-up and teardown only, nothing about routing: smg is started beside the replicas, so it polls

@@ -24,14 +24,17 @@ import yaml
 
 from extproc.admission.policy import AdmissionPolicy
 from extproc.budgets.policy import BudgetPolicy
+from extproc.discovery import STATIC, BadReplicaEntry, ReplicaSource, format_address, parse_replica_entry
+from extproc.discovery.policy import DiscoveryPolicy, DnsEntry
 from extproc.identity import TenantPolicy
 from extproc.routing.policy import RoutingPolicy
 from extproc.schema import INTERNAL, PolicyError, build, file_fields, non_negative, require, to_dict
 from extproc.streaming import StreamingPolicy
 
 __all__ = ["Policy", "PolicyError", "GatewayConfig", "SidecarConfig", "LimitsConfig", "SimulatorConfig",
-           "PoolConfig", "policy_from_dict", "load_policy", "read_policy_file", "parse_section", "policy_to_dict", "split_addr",
-           "is_loopback", "default_policy_path", "EMBEDDED_POLICY", "POLICY_FILE_NAME", "default_workers"]
+           "PoolConfig", "EppConfig", "DnsEntry", "policy_from_dict", "load_policy", "read_policy_file",
+           "parse_section", "policy_to_dict", "split_addr", "is_loopback", "default_policy_path", "EMBEDDED_POLICY",
+           "POLICY_FILE_NAME", "default_workers"]
 
 
 def _check_port(value: int, where: str) -> None:
@@ -110,6 +113,10 @@ class SidecarConfig:
     """The ext_proc sidecar's side."""
 
     host: str = "127.0.0.1"            # gRPC listen address (Envoy connects here)
+    advertise_host: str = ""           # how Envoy reaches the sidecar when that is not `host` (a listen address
+                                       # of 0.0.0.0, a container): an address, or a name Envoy resolves (its
+                                       # cluster is then STRICT_DNS, e.g. the compose service `sluice`).
+                                       # "" = `host`
     grpc_port: int = 50051             # ext_proc + access-log gRPC port (worker i listens on grpc_port + i)
     metrics_host: str = "127.0.0.1"    # /metrics (Prometheus) and /ready; loopback by default
     metrics_port: int = 9100           # /metrics and /ready (worker i: metrics_port + i)
@@ -129,6 +136,11 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if self.workers == 0:
             self.workers = default_workers()
+
+    @property
+    def envoy_host(self) -> str:
+        """Where Envoy's ext_proc cluster connects: `advertise_host`, else `host`."""
+        return self.advertise_host or self.host
 
     def open_request_cap(self, max_downstream_connections: int) -> int:
         if self.max_open_requests > 0:
@@ -172,31 +184,79 @@ class SimulatorConfig:
     extra_args: list[str] = field(default_factory=list)  # passed to `sluice sim` as is
 
 
-_ADDR = re.compile(r"^(?P<host>[^:\s]+):(?P<port>\d{1,5})$")
-
-
 @dataclass
 class PoolConfig:
     """One model served by a set of OpenAI-compatible replicas."""
 
     model: str = ""                                      # the `model` value clients send for this pool
-    replicas: list[str] = field(default_factory=list)  # "ip:port" of each replica (vLLM, SGLang, simulator)
+    replicas: list[str | DnsEntry] = field(default_factory=list)  # each replica: "ip:port" (a fixed address),
+                                                    # "name:port" (one replica: the name's first address), or
+                                                    # {dns: "name:port"} (every address the name resolves to);
+                                                    # vLLM, SGLang, the simulator
     metrics_style: Literal["vllm", "sglang", "none"] = "vllm"  # the replicas' metric names; none: no /metrics
                                                                 # (own accounting only)
+    discovery: DiscoveryPolicy = field(default_factory=DiscoveryPolicy)  # how names are re-resolved, or the
+                                                                          # InferencePool that gives the replicas
 
     @property
     def cluster(self) -> str:
         """Envoy cluster name for this pool (model names may contain '/', ':', ...)."""
         return "pool-" + re.sub(r"[^A-Za-z0-9_.-]", "_", self.model)
 
+    @property
+    def sources(self) -> list[ReplicaSource]:
+        """Each replica entry, parsed (the policy was validated, so every entry parses)."""
+        return [parse_replica_entry(_entry(e)) for e in self.replicas]
+
+    @property
+    def addresses(self) -> list[str]:
+        """The fixed `ip:port` entries (the ones that need no discovery), as Envoy names the hosts."""
+        return [format_address(s.host, s.port) for s in self.sources if s.kind == STATIC]
+
+    @property
+    def discovered(self) -> bool:
+        """Are some replicas found at run time (names to resolve, or an InferencePool)? Envoy then learns them
+        through EDS."""
+        return self.discovery.kubernetes is not None or any(s.kind != STATIC for s in self.sources)
+
     def validate(self, path: str) -> None:
         require(bool(self.model), f"{path}.model", "is required")
-        require(bool(self.replicas), f"{path}.replicas:", "at least one replica is required")
-        for addr in self.replicas:
-            m = _ADDR.match(addr)
-            require(m is not None, f"{path}.replicas:", f"{addr!r} is not host:port")
-            _check_port(int(m["port"]), f"{path}.replicas[{addr}]")  # type: ignore[index]
-        require(len(set(self.replicas)) == len(self.replicas), f"{path}.replicas:", "duplicate address")
+        require(bool(self.replicas) or self.discovery.kubernetes is not None, f"{path}.replicas:",
+                "at least one replica is required (or discovery.kubernetes)")
+        seen: set[ReplicaSource] = set()
+        for i, entry in enumerate(self.replicas):
+            try:
+                src = parse_replica_entry(_entry(entry), f"{path}.replicas[{i}]")
+            except BadReplicaEntry as exc:
+                raise PolicyError(str(exc)) from None
+            require(src not in seen, f"{path}.replicas[{i}]", f"duplicate replica {src.entry!r}")
+            seen.add(src)
+
+
+def _entry(entry: str | DnsEntry) -> str | dict[str, str]:
+    return {"dns": entry.dns} if isinstance(entry, DnsEntry) else entry
+
+
+@dataclass
+class EppConfig:
+    """sluice as the endpoint picker (EPP) of a Gateway API InferencePool (docs/epp.md): the gateway asks it, over
+    ext_proc, which endpoint serves each request."""
+
+    enabled: bool = False              # answer the endpoint-picker protocol instead of sluice's own Envoy shape:
+                                       # one pool, the subset hint honoured, the pick in the
+                                       # x-gateway-destination-endpoint header and envoy.lb metadata, the
+                                       # served endpoint read back, gRPC health on the ext_proc port
+    max_endpoints: int = 1             # endpoints in the answer (an ordered fallback list). 1 behind gateways that
+                                       # route through an ORIGINAL_DST cluster (Envoy Gateway, kgateway: a list
+                                       # there is a 503); 2+ behind Envoy's override_host policy
+    failure_mode: Literal["FailOpen", "FailClose"] | None = None  # when sluice cannot decide (an internal
+                                       # error): FailOpen answers any ready endpoint, FailClose a 503. null: the
+                                       # InferencePool's endpointPickerRef.failureMode (Kubernetes discovery),
+                                       # else FailClose. (The gateway applies the pool's own failureMode when
+                                       # sluice is unreachable)
+
+    def validate(self, path: str) -> None:
+        require(self.max_endpoints >= 1, f"{path}.max_endpoints", f"must be >= 1, got {self.max_endpoints!r}")
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -227,6 +287,7 @@ class Policy:
     budgets: BudgetPolicy = field(default_factory=BudgetPolicy)  # retry, task and tenant-token budgets
     tenants: TenantPolicy = field(default_factory=TenantPolicy)  # API keys -> tenants, open streams per tenant
     streaming: StreamingPolicy = field(default_factory=StreamingPolicy)  # observed responses, slow consumers
+    epp: EppConfig = field(default_factory=EppConfig)  # sluice as a Gateway API InferencePool's endpoint picker
     source: str = field(default="", metadata=INTERNAL)  # file the policy came from (for messages)
 
     def pool_for(self, model: str) -> PoolConfig | None:
@@ -242,6 +303,8 @@ class Policy:
         for i, pool in enumerate(self.pools):
             require(pool.model not in seen, f"pools[{i}].model", f"{pool.model!r} is listed twice")
             seen.add(pool.model)
+        require(not self.epp.enabled or len(self.pools) == 1, "epp.enabled",
+                "serves exactly one pool (an endpoint picker belongs to one InferencePool)")
         ports = [("gateway.port", self.gateway.port), ("gateway.admin_port", self.gateway.admin_port)]
         for name in ("grpc_port", "metrics_port", "admin_port"):  # each worker uses base + its index
             base = getattr(self.sidecar, name)

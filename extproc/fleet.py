@@ -1,7 +1,13 @@
 """The pools the sidecar routes to and, per pool, the parts that decide for it: the health tracker (replica states
 from business signals, P6/P8), the placer (which replica fits and scores best, P3/P7/P9) and the scheduler (the
 lanes' queues, P1/P2). Their background events arrive here: a scrape round, an access-log outcome, capacity
-that came back.
+that came back, replicas found or lost by discovery, the other gateways' load in flight.
+
+Replicas found by discovery (extproc/discovery: DNS names, an InferencePool's pods) join and leave live:
+    added    joins in slow start (RECOVERING at the first `slow_start_steps` weight), except in a source's first
+             report, which is the starting set; an address being retired is taken back the same way
+    removed  retired: no new requests, the ones in flight finish; it leaves the pool (health state and metric
+             series forgotten) once nothing is in flight on it, checked after every scrape round and release
 
 One Fleet per sidecar process, for its whole life: a policy reload rebuilds the parts in place (`rebuild`, called
 by extproc/reload.py), so the listeners registered with the scraper and the access log stay valid.
@@ -15,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 from extproc.admission.placement import Placer
 from extproc.admission.scheduler import Scheduler
 from extproc.config import Policy
+from extproc import metrics as m
+from extproc.routing import metrics as rm
 from extproc.routing.capacity import tokens_per_s
 from extproc.routing.health import HealthTracker
 from extproc.routing.pool import Pool, Replica
@@ -22,6 +30,9 @@ from extproc.routing.scrape import Scraper
 
 if TYPE_CHECKING:
     from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+
+    from extproc.discovery import EndpointDiff
+    from extproc.routing.shared_load import View
 
 FreshTest = Callable[[Replica, float], bool]
 
@@ -32,6 +43,7 @@ class Fleet:
         self.scraper: Scraper | None = None
         self.health: dict[str, HealthTracker] = {}
         self.schedulers: dict[str, Scheduler] = {}
+        self.on_removed: list[Callable[[Replica], object]] = []  # called for each replica that left its pool
         self.rebuild(policy, {p.model: Pool.from_config(p) for p in policy.pools})
 
     def rebuild(self, policy: Policy, pools: dict[str, Pool]) -> dict[str, Scheduler]:
@@ -88,8 +100,9 @@ class Fleet:
 
     # ---- events --------------------------------------------------------------------------------------------
     def on_scrape_round(self) -> None:
-        """After every scrape: health re-evaluates each replica (weights, states), then queued requests that
-        now fit are dispatched."""
+        """After every scrape: retired replicas with nothing in flight leave, health re-evaluates each replica
+        (weights, states), then queued requests that now fit are dispatched."""
+        self.sweep_retired()
         if self.routing.health.enabled:
             now = time.monotonic()
             for tracker in self.health.values():
@@ -113,6 +126,70 @@ class Fleet:
         for sched in self.schedulers.values():
             if sched.queued_total():
                 sched.kick()
+
+    # ---- replicas found and lost by discovery --------------------------------------------------------------
+    def apply_endpoint_diff(self, diff: EndpointDiff) -> None:
+        """A discovery report for one pool (see the module docstring). A source's first report (`initial`) is
+        the pool's whole set: replicas it does not list are retired."""
+        pool = self.pools.get(diff.pool)
+        if pool is None:
+            return  # the pool was removed by a reload since
+        health = self.health[pool.model]
+        for address in diff.added:
+            r, joined = pool.add_replica(address)
+            if joined and not diff.initial:
+                health.start_slow(r)
+            elif joined:
+                health.register(r)
+        gone = set(diff.removed)
+        if diff.initial:
+            gone |= {r.address for r in pool.replicas} - set(diff.added)
+        for address in sorted(gone):
+            pool.retire_replica(address)
+        self.placers[pool.model].on_replicas_changed()
+        self.sweep_retired(pool)
+        self.kick_all()
+
+    def sweep_retired(self, pool: Pool | None = None) -> None:
+        """Retired replicas with nothing in flight leave their pool (all pools when `pool` is None)."""
+        for p in (self.pools.values() if pool is None else (pool,)):
+            gone = p.sweep_retired()
+            if not gone:
+                continue
+            health = self.health[p.model]
+            for r in gone:
+                health.forget(r.address)
+                for listener in self.on_removed:
+                    listener(r)
+                rm.forget_replica(p.model, r.address)
+                for gauge in (m.INFLIGHT_REQUESTS, m.INFLIGHT_TOKENS, m.REPLICA_DRAINING):
+                    try:
+                        gauge.remove(p.model, r.address)
+                    except KeyError:
+                        pass
+            self.placers[p.model].on_replicas_changed()
+
+    def endpoints(self, model: str) -> list[str]:
+        """The pool's replicas Envoy should know (EDS): every one not retired."""
+        pool = self.pools.get(model)
+        return [] if pool is None else [r.address for r in pool.replicas if not r.retired]
+
+    # ---- the other gateways' load (several sidecars sharing through Redis) ---------------------------------
+    def local_view(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """This sidecar's requests in flight, published to the others: pool -> replica -> (tokens, requests)."""
+        return {p.model: {r.address: (r.inflight_tokens, r.inflight_requests) for r in p.replicas}
+                for p in self.pools.values()}
+
+    def on_shared_view(self, view: View) -> None:
+        """The other sidecars' requests in flight per replica (an empty view: Redis lost, own load only)."""
+        for pool in self.pools.values():
+            others = view.get(pool.model, {})
+            for r in pool.replicas:
+                load = others.get(r.address)
+                if load is None:
+                    r.note_shared(0, 0)
+                else:
+                    r.note_shared(load.tokens, load.requests)
 
     def capacity_tokens_per_s(self, model: str) -> float:
         """A pool's prompt-token throughput (routing/capacity.py), in the engines' tokens; 0 for an unknown pool."""

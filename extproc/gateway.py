@@ -29,7 +29,7 @@ from extproc.fleet import Fleet
 from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, HeaderRoom, read_head, to_int
 from extproc.identity import Identity, UnknownKey
 from extproc.inflight import InFlight
-from extproc.request import ENDPOINTS, BadRequest, parse_body
+from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.pool import Pool, Replica
 from extproc.stream import Hold, State, Stream
 from extproc.observed import ObservedStats
@@ -73,6 +73,7 @@ class Gateway:
         self.detaches = policy.sidecar.workers == 1
         self._tenant_gauges: dict[str, object] = {}
         self._counted_replicas: set[Replica] = set()
+        self.fleet.on_removed.append(self._forget_replica)
 
     # The Fleet's, by pool, for the decisions below (a reload rebuilds them in place).
     pools = property(lambda self: self.fleet.pools)
@@ -125,6 +126,16 @@ class Gateway:
             self._counted_replicas.add(r)
             m.INFLIGHT_REQUESTS.labels(r.pool, r.address).set_function(lambda: r.inflight_requests)
             m.INFLIGHT_TOKENS.labels(r.pool, r.address).set_function(lambda: r.inflight_tokens)
+
+    def _forget_replica(self, r: Replica) -> None:
+        """A replica left its pool (reload, discovery): its in-flight series go with it."""
+        if r in self._counted_replicas:
+            self._counted_replicas.discard(r)
+            for gauge in (m.INFLIGHT_REQUESTS, m.INFLIGHT_TOKENS):
+                try:
+                    gauge.remove(r.pool, r.address)
+                except KeyError:
+                    pass
 
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
@@ -180,7 +191,7 @@ class Gateway:
             return self._reject(st, R.immediate(exc.status, exc.message, exc.code, err_type=exc.err_type,
                                                 param=exc.param))
         fleet = self.fleet
-        pool = fleet.pools.get(req.model)
+        pool = self.pool_for(req)
         if pool is None:
             return self._reject(st, R.immediate(404, f"The model `{req.model}` does not exist.", "model_not_found",
                                                 param="model"))
@@ -252,6 +263,10 @@ class Gateway:
             return self._shed(st, exc)  # type: ignore[arg-type]
         return self._forward(st, w.future.result())
 
+    def pool_for(self, req: LLMRequest) -> Pool | None:
+        """The pool serving the request's model (None: 404)."""
+        return self.fleet.pools.get(req.model)
+
     def _forward(self, st: Stream, placement: Placement) -> pb.ProcessingResponse:
         """The request holds its placement until the stream ends; answer Envoy with the pinned route."""
         req = st.req
@@ -265,7 +280,6 @@ class Gateway:
             # Work the client has given up on must be cancelled at the replica (P4).
             remaining = min(req.client_timeout_s, MAX_DEADLINE_S) - (time.monotonic() - req.arrival)
             timeout_ms = max(1, int(remaining * 1000))
-        pin_str = ",".join(r.address for r in placement.pins)
         if st.observer is not None:
             st.observer.start = time.monotonic()  # TTFT counts from the decision, not from queue entry
         if self.streaming.slow_consumer.enabled and req.request_id:
@@ -274,7 +288,13 @@ class Gateway:
             self.inflight.watch(st, req.request_id)
         elif st.observer is None and self.detaches:
             self.inflight.detach(st, req.request_id)
-        return R.forward(st.pool.cluster, pin_str, upstream_timeout_ms=timeout_ms, remove_headers=STRIPPED_HEADERS)
+        return self.pin_answer(st, placement.pins, timeout_ms)
+
+    def pin_answer(self, st: Stream, pins: list[Replica], timeout_ms: int | None) -> pb.ProcessingResponse:
+        """Envoy's answer for a placed request: the pool header and the pin list in envoy.lb metadata."""
+        assert st.pool is not None
+        return R.forward(st.pool.cluster, ",".join(r.address for r in pins), upstream_timeout_ms=timeout_ms,
+                         remove_headers=STRIPPED_HEADERS)
 
     def _forward_unmetered(self, st: Stream, pool: Pool, t0: float) -> pb.ProcessingResponse:
         """Admission disabled: least in-flight tokens, no queue, no limits."""
@@ -375,6 +395,8 @@ class Gateway:
                 replica.release(req.total_tokens, req.prompt_tokens, placement.epoch)
             if st.status >= 500:
                 replica.errors_total += 1
+            if replica.retired and not replica.inflight_requests:
+                self.fleet.sweep_retired()  # its last request: it leaves the pool
             st.placement = None
         if holds & Hold.WAITER:
             w = st.waiter

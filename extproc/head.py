@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from envoy.config.core.v3 import base_pb2
 
 from extproc.request import LLMRequest
 from extproc.xds import DESTINATION_KEY, POOL_HEADER
+
+if TYPE_CHECKING:
+    from extproc.epp import Subset
 
 MAX_DEADLINE_S = 86400.0  # a client deadline beyond a day is no deadline
 
@@ -85,6 +88,7 @@ class Head:
     request_id: str = ""
     client_timeout_s: float | None = None
     api_key: str | None = None  # never logged; mapped to a tenant by identity
+    subset: Subset | None = None  # EPP mode: the gateway's subset hint (request metadata, not a header)
 
     def identify(self, req: LLMRequest, arrival: float) -> None:
         """Copy who sent the request, and under which limits, onto the parsed body."""
@@ -97,6 +101,7 @@ class Head:
         req.idempotency_key = self.idempotency_key
         req.request_id = self.request_id
         req.client_timeout_s = self.client_timeout_s
+        req.subset = self.subset
         req.arrival = arrival
 
 

@@ -100,12 +100,18 @@ def format_status(address: str, st: pb.StatusResponse) -> str:
                   f"{'INFL':>5} {'INFL_TOK':>9} {'TTFT95':>8} {'TOK/S':>7} {'SCRAPED':>8}")
         lines.append(header)
         for r in pool.replicas:
-            lines.append(f"  {r.address:<22} {r.state:<10} {r.weight:>6.2f} {'yes' if r.draining else '-':>5} "
+            drain = "gone" if r.retired else "yes" if r.draining else "-"
+            lines.append(f"  {r.address:<22} {r.state:<10} {r.weight:>6.2f} {drain:>5} "
                          f"{r.kv_usage * 100:>6.1f} {r.running:>4} {r.waiting:>4} {r.inflight_requests:>5} "
                          f"{r.inflight_tokens:>9} {fmt_ttft(r):>8} {r.generation_tps:>7.0f} "
                          f"{fmt_seconds(r.scrape_age_s):>8}")
             if r.state != "healthy" and r.state_reason:
                 lines.append(f"  {'':<22} ({r.state_reason})")
+            if r.retired:
+                lines.append(f"  {'':<22} (gone from discovery: leaves the pool when its requests in flight end)")
+            if r.shared_inflight_requests:
+                lines.append(f"  {'':<22} (other gateways: {r.shared_inflight_requests} requests / "
+                             f"{r.shared_inflight_tokens} tokens in flight)")
         for lane in pool.lanes:
             prio = ", ".join(f"{k} {v}" for k, v in sorted(lane.queued_by_priority.items()))
             limit = f"/{lane.max_concurrency}" if lane.max_concurrency else ""

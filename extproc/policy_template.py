@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import types
 import typing
 from typing import Any
 
@@ -103,8 +104,20 @@ def _field(cls: type, name: str, default: Any, settings: dict[str, Any], indent:
     elif isinstance(value, dict) and value:
         block = [f"{pad}  {k}: {_scalar(v)}" for k, v in to_dict(value).items()]
     else:
-        return out + [_mark(f"{pad}{name}: {_scalar(to_dict(value))}", indent, active)]
+        return out + [_mark(f"{pad}{name}: {_scalar(to_dict(value))}", indent, active)] + _unset_section(tp, indent)
     return out + [_mark(line, indent, active) for line in [f"{pad}{name}:", *block]]
+
+
+def _unset_section(tp: Any, indent: int) -> list[str]:
+    """The fields of an optional section left unset (`kubernetes: null`), listed below it commented out in every
+    rendering: setting the section means writing its block in place of `null`."""
+    inner = [t for t in typing.get_args(tp) if dataclasses.is_dataclass(t)]
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType) or not inner:
+        return []
+    lines: list[str] = []
+    for child in file_fields(inner[0]):
+        lines += _field(inner[0], child, _default_of(inner[0], child), {}, indent + 2, False)
+    return lines
 
 
 def _list_item(cls: type, settings: dict[str, Any], values: dict[str, Any], indent: int, all_active: bool,

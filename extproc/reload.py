@@ -116,7 +116,9 @@ def apply_policy(gateway: Gateway, policy: Policy) -> list[str]:
 
 
 def _merge_pools(old: dict[str, Pool], configs: list[PoolConfig]) -> tuple[dict[str, Pool], list[str]]:
-    """The pools of the new policy: a pool that stays is the same object, and its replicas that stay too."""
+    """The pools of the new policy: a pool that stays is the same object, and its replicas that stay too. A pool
+    whose replicas are found at run time keeps them: discovery reports what the new entries change
+    (extproc/endpoints.py)."""
     changes: list[str] = []
     pools: dict[str, Pool] = {}
     for cfg in configs:
@@ -125,13 +127,16 @@ def _merge_pools(old: dict[str, Pool], configs: list[PoolConfig]) -> tuple[dict[
             pools[cfg.model] = Pool.from_config(cfg)
             changes.append(f"pool {cfg.model} added")
             continue
+        pools[cfg.model] = pool
+        if cfg.discovered:
+            continue
         keep = {r.address: r for r in pool.replicas}
-        added = [a for a in cfg.replicas if a not in keep]
-        removed = [a for a in keep if a not in cfg.replicas]
+        wanted = cfg.addresses
+        added = [a for a in wanted if a not in keep]
+        removed = [a for a in keep if a not in wanted]
         if added or removed:
             changes.append(f"pool {cfg.model}: +{added} -{removed}")
-        pool.replicas = [keep.get(a) or Replica(address=a, pool=cfg.model) for a in cfg.replicas]
-        pools[cfg.model] = pool
+        pool.replicas = [keep.get(a) or Replica(address=a, pool=cfg.model) for a in wanted]
     changes += [f"pool {name} removed" for name in old if name not in pools]
     return pools, changes
 

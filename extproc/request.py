@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from extproc.tokens import TokenEstimator
+
+if TYPE_CHECKING:
+    from extproc.epp import Subset
 
 # Which OpenAI endpoints the sidecar understands, by path (query string stripped).
 ENDPOINT_CHAT = "chat"
@@ -61,6 +64,7 @@ class LLMRequest:
     body_fingerprint: bytes = b""  # digest of the whole body: duplicate / retry detection
     include_usage: bool = False
     output_limited: bool = True  # the client set max_tokens / max_completion_tokens (else an expectation is used)
+    subset: Subset | None = None  # EPP mode: the gateway's subset hint; placement considers only what it allows
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -6,6 +6,8 @@ annotations:
     bool, int, float (finite; an integer is accepted), str      the YAML scalar, checked
     Literal["a", "b"]                                            one of the listed strings
     X | None                                                     null, or an X
+    X | Y                                                        a mapping read as the mapping-shaped one, a list
+                                                                 as the list one, a scalar as the other
     list[X], tuple[X, ...]                                       a YAML list of X
     dict[str, X]                                                 a mapping of non-empty names to X
     a dataclass                                                  a mapping, built by the same rules
@@ -90,7 +92,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, path)
+        return _convert(_alternative(inner, value), value, path)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise PolicyError(f"{path}: expected a mapping, got {type(value).__name__}")
@@ -135,6 +137,19 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise PolicyError(f"{path}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{path}: unsupported field type {tp!r}")  # a programming error, not a policy error
+
+
+def _alternative(types_: list[Any], value: Any) -> Any:
+    """Which type of a union (`str | DnsEntry`) a YAML value is read as: a mapping as the mapping-shaped one
+    (a dataclass or dict), a list as the list one, anything else as the first other one."""
+    def shape(tp: Any) -> str:
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp) or origin is dict:
+            return "mapping"
+        return "list" if origin in (list, tuple) else "scalar"
+
+    wanted = "mapping" if isinstance(value, dict) else "list" if isinstance(value, list) else "scalar"
+    return next((tp for tp in types_ if shape(tp) == wanted), types_[0])
 
 
 def to_dict(obj: Any) -> Any:

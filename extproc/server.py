@@ -1,7 +1,7 @@
-"""The sidecar process: the grpc.aio ExternalProcessor service plus a small HTTP server for /metrics and /ready.
-
-One `Process` call = one HTTP request in Envoy. The servicer only moves messages; every decision is in
-`gateway.Gateway`, so this file stays plumbing.
+"""The sidecar process: the grpc.aio ExternalProcessor service (servicer.py) plus a small HTTP server for /metrics
+and /ready, and the background parts a policy asks for: discovery of replicas by name (endpoints.py), the shared
+in-flight view (routing/shared_load.py), the scraper, the policy watcher, the admin API; in EPP mode the gRPC
+health service. Every decision is in `gateway.Gateway` (or `epp_gateway.EppGateway`), so this file stays plumbing.
 """
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import AsyncIterator
 
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -21,66 +19,20 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 
 from extproc import metrics as m
 from extproc.accesslog import AccessLogReceiver
-from extproc import responses as R
 from extproc.config import Policy
 from pathlib import Path
 
 from extproc.admin.service import start_admin_server
+from extproc.endpoints import Endpoints
+from extproc.epp import EppHealth
+from extproc.epp_gateway import EppGateway, EppServicer
 from extproc.gateway import Gateway
-from extproc.reload import PolicyWatcher, note_policy
+from extproc.reload import PolicyWatcher, ReloadResult, note_policy
+from extproc.routing.shared_load import shared_load_from_policy
+from extproc.servicer import ExtProcServicer
+from extproc.xds import render
 
 log = logging.getLogger("sluice.server")
-
-EOF = grpc.aio.EOF
-
-
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """Moves ext_proc messages between Envoy and the Gateway; every decision, state and hold is the Gateway's.
-
-    `Process` uses grpc.aio's reader/writer API (`context.read` / `context.write`) rather than an async generator
-    over the request iterator: each message then passes through no generator frames of its own, which is a part of
-    the per-request cost that is not grpc.aio's floor."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
-
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> None:
-        gw = self.gw
-        read, write = context.read, context.write
-        st = gw.open_stream()
-        try:
-            while True:
-                msg = await read()
-                if msg is EOF:
-                    return
-                kind = msg.WhichOneof("request")
-                if kind == "request_body":
-                    await write(await gw.on_request_body(st, msg.request_body))
-                    if st.held:  # Envoy was told to wait: the decision follows
-                        await write(await gw.wait(st))
-                    if st.ended:
-                        return
-                elif kind == "request_headers":
-                    await write(gw.on_request_headers(st, msg.request_headers))
-                    if st.ended:  # answered at the headers (e.g. a 401): nothing more to read
-                        return
-                elif kind == "response_headers":
-                    await write(gw.on_response_headers(st, msg.response_headers))
-                elif kind == "response_trailers":
-                    await write(gw.on_response_trailers(st))
-                elif kind == "response_body":
-                    await write(gw.on_response_body(st, msg.response_body))
-                elif kind == "request_trailers":
-                    await write(R.CONTINUE_REQUEST_TRAILERS)
-        except asyncio.CancelledError:
-            answer = gw.on_cancelled(st)
-            if answer is None:
-                raise
-            await write(answer)
-        finally:
-            gw.close(st)
-
 
 async def _metrics(_request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -109,9 +61,30 @@ async def _sweep_detached(gateway: Gateway, max_age_s: float) -> None:
         gateway.inflight.sweep(max_age_s)
 
 
-async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
-    """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit."""
+def _make_gateway(policy: Policy) -> tuple[Gateway, ExtProcServicer]:
+    """sluice's own shape, or the endpoint picker of an InferencePool (`epp.enabled`, epp_gateway.py)."""
+    if policy.epp.enabled:
+        epp_gateway = EppGateway(policy)
+        return epp_gateway, EppServicer(epp_gateway)
     gateway = Gateway(policy)
+    return gateway, ExtProcServicer(gateway)
+
+
+async def _follow_readiness(health: EppHealth, endpoints: Endpoints, gateway: Gateway) -> None:
+    """EPP mode: the gRPC readiness follows "endpoints known" (a first discovery report) and not shutting down."""
+    while True:
+        ready = endpoints.known and not gateway.draining
+        if ready != health.ready:
+            await health.set_ready(ready)
+        await asyncio.sleep(0.5)
+
+
+async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT; then stop admitting, let in-flight requests finish, exit.
+
+    With `xds_out` (the directory Envoy watches; worker 0 writes it): Envoy's files are rendered there at start
+    and on every reload, and the EDS files of pools found at run time follow every discovery change."""
+    gateway, servicer = _make_gateway(policy)
     sc = policy.sidecar
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),
@@ -119,10 +92,15 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
         ("grpc.so_reuseport", 0),
         ("grpc.http2.max_pings_without_data", 0),
     ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(gateway), server)
-    access_log = AccessLogReceiver({p.cluster: p.model for p in gateway.pools.values()})
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
-    gateway.attach_access_log(access_log)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    health: EppHealth | None = None
+    if policy.epp.enabled:  # the gateway sends the picker no access log; it probes gRPC health instead
+        health = EppHealth()
+        health.add_to(server)
+    else:
+        access_log = AccessLogReceiver({p.cluster: p.model for p in gateway.pools.values()})
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+        gateway.attach_access_log(access_log)
     grpc_addr = f"{sc.host}:{sc.grpc_port + worker}"
     if server.add_insecure_port(grpc_addr) == 0:
         raise OSError(f"cannot listen on {grpc_addr} (port taken?)")
@@ -131,6 +109,17 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     await runner.setup()
     site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
     await gateway.budgets.start()
+    xds = xds_out if worker == 0 and not policy.epp.enabled else None
+    # Replicas by name: resolved before the first scrape, so the starting set is known (and in EDS) when ready.
+    endpoints = Endpoints(gateway.fleet, policy, xds)
+    await endpoints.start()
+    if xds is not None:
+        render(policy, xds, "sluice", endpoints=endpoints.eds_endpoints())
+    if isinstance(gateway, EppGateway) and policy.epp.failure_mode is None:
+        gateway.failure_mode = endpoints.failure_mode(policy.default_pool.model) or gateway.failure_mode
+    shared = shared_load_from_policy(policy, worker, gateway.fleet.local_view, gateway.fleet.on_shared_view)
+    if shared is not None:
+        await shared.start()
     scraper = gateway.fleet.make_scraper()
     if scraper is not None:
         await scraper.scrape_once()  # first numbers before taking traffic (stale counts as saturated)
@@ -138,12 +127,24 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     await server.start()
     await site.start()
     route_timeout = policy.gateway.request_timeout_s
-    sweeper = asyncio.create_task(_sweep_detached(
-        gateway, (route_timeout if route_timeout > 0 else NO_ROUTE_TIMEOUT_MAX_AGE_S) + 30.0))
+    background = [asyncio.create_task(_sweep_detached(
+        gateway, (route_timeout if route_timeout > 0 else NO_ROUTE_TIMEOUT_MAX_AGE_S) + 30.0))]
+    if health is not None:
+        await health.start(ready=False)
+        background.append(asyncio.create_task(_follow_readiness(health, endpoints, gateway)))
     # Operations: the policy watcher (file change + SIGHUP) and the admin API, on loopback.
     note_policy(policy)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_reload(result: ReloadResult) -> None:
+        """An applied reload's name entries reach the running discovery sources."""
+        if result.ok and (endpoints.active or any(p.discovered for p in gateway.policy.pools)):
+            task = asyncio.get_running_loop().create_task(endpoints.on_reload(gateway.policy))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
     # With xds_out (worker 0 only), a reload also re-renders the Envoy files there: replica changes reach Envoy.
-    watcher = (PolicyWatcher(policy.source, gateway, xds_out=xds_out if worker == 0 else None)
+    watcher = (PolicyWatcher(policy.source, gateway, on_change=on_reload, xds_out=xds)
                if Path(policy.source).is_file() else None)
     if watcher is not None:
         await watcher.start(sighup=True)
@@ -164,10 +165,13 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     # Graceful: new requests get a 503 with retry-after while in-flight ones finish.
     gateway.draining = True
     m.READY.set(0)
+    if health is not None:
+        await health.shutdown()  # gateways stop picking this EPP
     deadline = loop.time() + grace_s
     while loop.time() < deadline and any(p.inflight_requests for p in gateway.pools.values()):
         await asyncio.sleep(0.05)
-    sweeper.cancel()
+    for task in background:
+        task.cancel()
     if watcher is not None:
         await watcher.stop()
     await admin.stop(grace=0.5)
@@ -175,4 +179,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     await runner.cleanup()
     if scraper is not None:
         await scraper.stop()
+    await endpoints.stop()
+    if shared is not None:
+        await shared.stop()
     await gateway.budgets.close()

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -110,6 +110,8 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     sim_admin_ports: dict[str, int] = field(default_factory=dict)  # replica address -> simulator admin port
     policy_file: Path | None = None  # the user's policy file (sluice up): watched for reloads; else a run copy
+    # wraps each sidecar's command line (tests: run it in a private mount namespace with its own /etc/hosts)
+    sidecar_wrapper: Callable[[list[str]], list[str]] | None = None
     baseline: Any = None  # BaselineOptions of a baseline mode (extproc/baselines.py)
 
     @property
@@ -128,7 +130,7 @@ class Stack:
         """(model, address) of each replica `sluice up` must simulate."""
         if not self.policy.simulator.enabled:
             return []
-        return [(p.model, a) for p in self.policy.pools for a in p.replicas if is_loopback(split_addr(a)[0])]
+        return [(p.model, a) for p in self.policy.pools for a in p.addresses if is_loopback(split_addr(a)[0])]
 
     def _ports_to_check(self) -> list[tuple[str, str, int]]:
         gw, sc = self.policy.gateway, self.policy.sidecar
@@ -171,6 +173,8 @@ class Stack:
             for w in range(sc.workers):
                 argv = [py, "-m", "extproc.cli", "serve", "--config", str(policy_file), "--worker", str(w),
                         "--xds-out", str((self.run_dir / "envoy").resolve())]
+                if self.sidecar_wrapper is not None:
+                    argv = self.sidecar_wrapper(argv)
                 children.append(Child(f"sidecar[{w}]", argv, logs / f"sidecar-{w}.log",
                                       f"http://{sc.metrics_host}:{sc.metrics_port + w}/ready"))
         if self.mode == "smg":  # the Shepherd Model Gateway instead of Envoy (a benchmark baseline)
@@ -254,7 +258,8 @@ class Stack:
 
 
 def with_free_ports(policy: Policy, replicas_per_pool: int | None = None) -> Policy:
-    """A copy of the policy on fresh loopback ports (tests and benches run stacks side by side)."""
+    """A copy of the policy on fresh loopback ports (tests and benches run stacks side by side); a pool of replicas
+    by name keeps its entries."""
     p = dataclasses.replace(policy)
     n_rep = sum(replicas_per_pool or len(pool.replicas) for pool in policy.pools)
     ports = free_ports(5 + n_rep)
@@ -268,6 +273,9 @@ def with_free_ports(policy: Policy, replicas_per_pool: int | None = None) -> Pol
     rest = iter(ports[5:])
     pools = []
     for pool in policy.pools:
+        if pool.discovered:  # replicas by name: the caller's names and ports stand
+            pools.append(pool)
+            continue
         count = replicas_per_pool or len(pool.replicas)
         pools.append(dataclasses.replace(pool, replicas=[f"127.0.0.1:{next(rest)}" for _ in range(count)]))
     p.gateway, p.sidecar, p.pools = gw, sc, pools

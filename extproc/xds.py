@@ -12,13 +12,9 @@ Three shapes share one listener so benchmarks compare like with like:
 from __future__ import annotations
 
 import datetime as dt
-import os
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-import betterproto2
-import yaml
 from envoy_data_plane.envoy.config.bootstrap.v3 import (
     Admin,
     Bootstrap,
@@ -31,6 +27,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     CircuitBreakersThresholdsRetryBudget,
     Cluster,
     ClusterDiscoveryType,
+    ClusterDnsLookupFamily,
     LoadBalancingPolicy,
     LoadBalancingPolicyPolicy,
     OutlierDetection,
@@ -56,7 +53,6 @@ from envoy_data_plane.envoy.config.core.v3 import (
     TypedExtensionConfig,
     WatchedDirectory,
 )
-from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener, ListenerFilter
 from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
 from envoy_data_plane.envoy.config.route.v3 import (
@@ -120,7 +116,10 @@ from envoy_data_plane.envoy.type.metadata.v3 import MetadataKeyPathSegment, Meta
 from envoy_data_plane.envoy.type.v3 import HttpStatus, Percent, StatusCode
 from envoy_data_plane.google.protobuf import Any as PbAny, Struct
 
-from extproc.config import Policy, split_addr
+from extproc.config import Policy
+from extproc.discovery import is_ip
+from extproc.discovery.eds import eds_cluster_config, eds_path, load_assignment, write_eds
+from extproc.xds_files import discovery_doc as _discovery_doc, to_dict as _to_dict, write_atomic as _write_atomic
 
 MODES = ("sluice", "envoy-rr", "envoy-lr")
 EXTPROC_CLUSTER = "sluice_extproc"
@@ -144,11 +143,6 @@ def _typed(name: str, msg: Any) -> TypedExtensionConfig:
 
 def _addr(host: str, port: int) -> Address:
     return Address(socket_address=SocketAddress(address=host, port_value=port))
-
-
-def _load_assignment(name: str, addresses: list[str]) -> ClusterLoadAssignment:
-    eps = [LbEndpoint(endpoint=Endpoint(address=_addr(*split_addr(a)))) for a in addresses]
-    return ClusterLoadAssignment(cluster_name=name, endpoints=[LocalityLbEndpoints(lb_endpoints=eps)])
 
 
 def _circuit_breakers(policy: Policy, with_retry_budget: bool) -> CircuitBreakers:
@@ -216,31 +210,44 @@ def _http2_options(window: int) -> PbAny:
 PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
-def render_clusters(policy: Policy, mode: str = "sluice") -> list[Cluster]:
-    """One cluster per pool (replicas), plus the sidecar's gRPC cluster in sluice mode."""
+def render_clusters(policy: Policy, mode: str = "sluice", xds_dir: str | Path | None = None) -> list[Cluster]:
+    """One cluster per pool (replicas), plus the sidecar's gRPC cluster in sluice mode. A pool whose replicas are
+    found at run time (names, an InferencePool) is an EDS cluster reading `eds-<cluster>.yaml` in `xds_dir` (the
+    directory Envoy watches); one with fixed addresses only is STATIC."""
     clusters: list[Cluster] = []
     if mode == "sluice":
-        clusters.append(Cluster(
+        sidecar = Cluster(
             name=EXTPROC_CLUSTER,
             type=ClusterDiscoveryType.STATIC,
             connect_timeout=_secs(1),
-            load_assignment=_load_assignment(EXTPROC_CLUSTER, sidecar_addresses(policy)),
+            load_assignment=load_assignment(EXTPROC_CLUSTER, sidecar_addresses(policy)),
             typed_extension_protocol_options={
                 PROTOCOL_OPTIONS_KEY: _http2_options(policy.gateway.http2_stream_window_bytes)},
             circuit_breakers=_circuit_breakers(policy, with_retry_budget=False),
-        ))
+        )
+        if not is_ip(policy.sidecar.envoy_host):
+            # Reached by name (a compose service, a Kubernetes Service): Envoy resolves it and follows changes.
+            sidecar.type = ClusterDiscoveryType.STRICT_DNS
+            sidecar.dns_lookup_family = ClusterDnsLookupFamily.V4_PREFERRED
+        clusters.append(sidecar)
     for pool in policy.pools:
         cluster = Cluster(
             name=pool.cluster,
             type=ClusterDiscoveryType.STATIC,
             connect_timeout=_secs(1),
-            load_assignment=_load_assignment(pool.cluster, pool.replicas),
             load_balancing_policy=_pool_lb_policy(mode),
             per_connection_buffer_limit_bytes=policy.gateway.buffer_limit_bytes,
             typed_extension_protocol_options={PROTOCOL_OPTIONS_KEY: _http1_options()},
             # envoy-rr, the naive baseline, keeps Envoy's default circuit breakers (1,024 per priority).
             circuit_breakers=None if mode == "envoy-rr" else _circuit_breakers(policy, with_retry_budget=True),
         )
+        if pool.discovered:
+            if xds_dir is None:
+                raise ValueError(f"pool {pool.model}: replicas found at run time need the xDS directory (EDS)")
+            cluster.type = ClusterDiscoveryType.EDS
+            cluster.eds_cluster_config = eds_cluster_config(xds_dir, pool.cluster)
+        else:
+            cluster.load_assignment = load_assignment(pool.cluster, pool.addresses)
         if mode != "envoy-rr":
             # A backstop only: the sidecar's business health checks act first (P8).
             cluster.outlier_detection = OutlierDetection(
@@ -256,7 +263,7 @@ def render_clusters(policy: Policy, mode: str = "sluice") -> list[Cluster]:
 
 def sidecar_addresses(policy: Policy) -> list[str]:
     """The sidecar worker processes, on consecutive ports from `sidecar.grpc_port`."""
-    return [f"{policy.sidecar.host}:{policy.sidecar.grpc_port + i}" for i in range(policy.sidecar.workers)]
+    return [f"{policy.sidecar.envoy_host}:{policy.sidecar.grpc_port + i}" for i in range(policy.sidecar.workers)]
 
 
 def request_receive_timeout_s(policy: Policy) -> float:
@@ -608,42 +615,14 @@ def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
     )
 
 
-# betterproto2 mangles a few proto field names (digits inside a word); Envoy wants the proto's own.
-_FIELD_FIXUPS = {"consecutive_5_xx": "consecutive_5xx", "enforcing_consecutive_5_xx": "enforcing_consecutive_5xx"}
+def render(policy: Policy, out_dir: str | Path, mode: str = "sluice", xds_dir: str | Path | None = None,
+           endpoints: Mapping[str, list[str]] | None = None, baseline: Any = None) -> dict[str, Path]:
+    """Write bootstrap.yaml, lds.yaml, cds.yaml (and eds-<cluster>.yaml per pool found at run time) into out_dir;
+    return their paths. The bootstrap points Envoy at `xds_dir` (default: out_dir itself, as an absolute path).
 
-
-def _fix_names(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {_FIELD_FIXUPS.get(k, k): _fix_names(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_fix_names(v) for v in node]
-    return node
-
-
-def _to_dict(msg: Any) -> dict[str, Any]:
-    """Proto field names (snake_case), which Envoy's YAML loader accepts like the JSON names."""
-    return _fix_names(msg.to_dict(casing=betterproto2.Casing.SNAKE))
-
-
-def _discovery_doc(resources: list[Any]) -> dict[str, Any]:
-    """A DiscoveryResponse as Envoy's file-based xDS expects it."""
-    return {"resources": [_to_dict(PbAny.pack(r)) for r in resources]}
-
-
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write via temp file + rename: Envoy's watched directory must never see a half-written file."""
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"# Rendered by `sluice render` from the policy file; do not edit by hand.\n{text}")
-    os.replace(tmp, path)
-
-
-def render(policy: Policy, out_dir: str | Path, mode: str = "sluice",
-           xds_dir: str | Path | None = None, baseline: Any = None) -> dict[str, Path]:
-    """Write bootstrap.yaml, lds.yaml and cds.yaml into out_dir; return their paths. The bootstrap points Envoy
-    at `xds_dir` (default: out_dir itself, as an absolute path). The benchmark's baseline gateways
-    (envoy-tuned, smg) render in extproc/baselines.py, with `baseline` (its BaselineOptions)."""
+    A pool's EDS file holds `endpoints[cluster]` when given (the sidecar's current replicas); otherwise an existing
+    file is kept (the sidecar keeps it current) and a missing one gets the pool's fixed addresses. The benchmark's
+    baseline gateways (envoy-tuned, smg) render in extproc/baselines.py, with `baseline` (its BaselineOptions)."""
     from extproc import baselines
 
     if mode in baselines.MODES:
@@ -652,11 +631,20 @@ def render(policy: Policy, out_dir: str | Path, mode: str = "sluice",
         raise ValueError(f"unknown mode {mode!r} (expected one of {', '.join(MODES)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"bootstrap": out / "bootstrap.yaml", "lds": out / "lds.yaml", "cds": out / "cds.yaml"}
-    # CDS before LDS, bootstrap last: a watching Envoy must never see a listener routing to a missing cluster.
-    _write_atomic(paths["cds"], _discovery_doc(render_clusters(policy, mode)))
-    _write_atomic(paths["lds"], _discovery_doc([render_listener(policy, mode)]))
     where = Path(xds_dir) if xds_dir is not None else out.resolve()
+    paths = {"bootstrap": out / "bootstrap.yaml", "lds": out / "lds.yaml", "cds": out / "cds.yaml"}
+    # EDS, then CDS, then LDS, bootstrap last: a watching Envoy never sees a cluster without its endpoint file, nor
+    # a listener routing to a missing cluster.
+    for pool in policy.pools:
+        if not pool.discovered:
+            continue
+        given = (endpoints or {}).get(pool.cluster)
+        path = eds_path(out, pool.cluster)
+        if given is not None or not path.exists():
+            write_eds(out, pool.cluster, pool.addresses if given is None else given)
+        paths[f"eds-{pool.cluster}"] = path
+    _write_atomic(paths["cds"], _discovery_doc(render_clusters(policy, mode, where)))
+    _write_atomic(paths["lds"], _discovery_doc([render_listener(policy, mode)]))
     _write_atomic(paths["bootstrap"], _to_dict(render_bootstrap(policy, where)))
     return paths
 

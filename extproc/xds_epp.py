@@ -129,7 +129,9 @@ def _ext_proc(shape: GatewayApiShape) -> HttpFilter:
         processing_mode=ProcessingMode(
             request_header_mode=send, request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=skip, response_header_mode=send,
-            response_body_mode=ProcessingModeBodySendMode.NONE, response_trailer_mode=skip),
+            # Trailers SEND keeps the stream open until the response ends (at no per-chunk cost): the EPP learns
+            # each request's end from it, since the gateway sends it no access log.
+            response_body_mode=ProcessingModeBodySendMode.NONE, response_trailer_mode=send),
         message_timeout=dt.timedelta(milliseconds=shape.message_timeout_ms),
         max_message_timeout=dt.timedelta(milliseconds=shape.max_queue_wait_ms + 2000),
         response_attributes=["upstream.address"],

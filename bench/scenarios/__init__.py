@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "P12": "p12_connections",
     "P13": "p13_slow_consumers",
     "PX": "px_prefix",
+    "PG": "pg_gateways",
 }
 
 

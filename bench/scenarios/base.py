@@ -409,6 +409,9 @@ class Scenario:
     settle_s: float = 0.0               # after the load, wait up to this long (wall) for idle replicas
     budget_s = 20.0                     # rough wall budget per system-run in --quick mode (documentation)
     derived_values: dict[str, Any] = {}  # the numbers the docstring derives, as computed at this preset
+    systems: tuple[str, ...] = ()       # setups of its own to compare instead of the harness's systems (PG: two
+                                        # sluice deployments); such a scenario runs each through `run_system`
+    reproduced_on = "envoy-rr"          # the column `reproduced` judges
     metrics_doc: list[Metric] = []
     headline: tuple[str, ...] = ()      # the keys the summary's overview table shows
 
@@ -436,6 +439,11 @@ class Scenario:
 
     def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
         """Does this column show the problem? (bool, one line why)."""
+        raise NotImplementedError
+
+    def run_system(self, system: str, quick: bool, seed: int, workdir: Any,
+                   backend: Any) -> tuple[RunData | None, dict[str, Any]]:
+        """Start, replay and stop one of `systems` (only scenarios that set `systems`); as bench.runner.run_one."""
         raise NotImplementedError
 
     async def during(self, ctl: Any, run: RunData, quick: bool) -> None:

@@ -60,7 +60,7 @@ class PoolStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., cluster: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., lanes: _Optional[_Iterable[_Union[LaneStatus, _Mapping]]] = ..., all_degraded: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., shed_total: _Optional[_Mapping[str, float]] = ..., admitted_total: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "state", "weight", "draining", "routable", "state_reason", "state_age_s", "kv_usage", "waiting", "running", "ttft_p95_s", "generation_tps", "scrape_age_s", "scrape_failures", "kv_capacity_tokens", "inflight_requests", "inflight_tokens", "lane_inflight", "served_total", "errors_total")
+    __slots__ = ("address", "state", "weight", "draining", "routable", "state_reason", "state_age_s", "retired", "kv_usage", "waiting", "running", "ttft_p95_s", "generation_tps", "scrape_age_s", "scrape_failures", "kv_capacity_tokens", "inflight_requests", "inflight_tokens", "lane_inflight", "served_total", "errors_total", "shared_inflight_requests", "shared_inflight_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class ReplicaStatus(_message.Message):
     ROUTABLE_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +82,8 @@ class ReplicaStatus(_message.Message):
     LANE_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     SERVED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ERRORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHARED_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: str
     weight: float
@@ -88,6 +91,7 @@ class ReplicaStatus(_message.Message):
     routable: bool
     state_reason: str
     state_age_s: float
+    retired: bool
     kv_usage: float
     waiting: int
     running: int
@@ -101,7 +105,9 @@ class ReplicaStatus(_message.Message):
     lane_inflight: _containers.RepeatedScalarFieldContainer[int]
     served_total: int
     errors_total: int
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., draining: _Optional[bool] = ..., routable: _Optional[bool] = ..., state_reason: _Optional[str] = ..., state_age_s: _Optional[float] = ..., kv_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., ttft_p95_s: _Optional[float] = ..., generation_tps: _Optional[float] = ..., scrape_age_s: _Optional[float] = ..., scrape_failures: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., lane_inflight: _Optional[_Iterable[int]] = ..., served_total: _Optional[int] = ..., errors_total: _Optional[int] = ...) -> None: ...
+    shared_inflight_requests: int
+    shared_inflight_tokens: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., draining: _Optional[bool] = ..., routable: _Optional[bool] = ..., state_reason: _Optional[str] = ..., state_age_s: _Optional[float] = ..., retired: _Optional[bool] = ..., kv_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., ttft_p95_s: _Optional[float] = ..., generation_tps: _Optional[float] = ..., scrape_age_s: _Optional[float] = ..., scrape_failures: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., inflight_requests: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., lane_inflight: _Optional[_Iterable[int]] = ..., served_total: _Optional[int] = ..., errors_total: _Optional[int] = ..., shared_inflight_requests: _Optional[int] = ..., shared_inflight_tokens: _Optional[int] = ...) -> None: ...
 
 class LaneStatus(_message.Message):
     __slots__ = ("name", "queued", "inflight_requests", "inflight_tokens", "max_queue", "max_concurrency", "queued_by_priority")

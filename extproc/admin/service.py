@@ -46,6 +46,7 @@ def replica_status(r: Replica, now: float | None = None) -> pb.ReplicaStatus:
     e = r.engine
     return pb.ReplicaStatus(
         address=r.address, state=r.state, weight=r.weight, draining=r.draining, routable=r.routable,
+        retired=r.retired, shared_inflight_requests=r.shared_requests, shared_inflight_tokens=r.shared_tokens,
         state_reason=r.state_reason, state_age_s=max(0.0, now - r.state_since),
         kv_usage=e.kv_usage, waiting=e.waiting, running=e.running, ttft_p95_s=e.ttft_p95_s,
         generation_tps=e.generation_tps, scrape_age_s=_scrape_age(r, now), scrape_failures=e.scrape_failures,

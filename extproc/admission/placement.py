@@ -3,7 +3,8 @@
 A replica fits a request when, with the request added, it stays within every limit:
   KV      used + footprint <= capacity x weight x (1 - margin)   used = max(scraped + placed since, reserved)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
-  running this sidecar's requests on it < max_concurrency x weight
+  running requests on it (this sidecar's, plus the other sidecars' when they share through Redis) <
+          max_concurrency x weight
   prefill predicted prefill backlog + prompt <= prefill rate x TTFT limit x weight (an idle replica always
           takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
           the client's time left (its own timeout header) when that is less: work the client will have
@@ -68,21 +69,12 @@ class Placer:
         self.is_fresh = is_fresh
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s
-        n_lanes = len(policy.lanes)
-        for r in pool.replicas:
-            if not r.kv_capacity_tokens and policy.kv_capacity_tokens:
-                r.kv_capacity_tokens = policy.kv_capacity_tokens
-            if len(r.lane_inflight) != n_lanes:  # a reload keeps the counts of requests still in flight
-                r.lane_inflight = [0] * n_lanes
-            if len(r.lane_prefill_until) != n_lanes:
-                r.lane_prefill_until = [0.0] * n_lanes
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
-        # Per lane: how many replicas may prefill it at once (0 = not confined). Fixed per placer: a reload that
-        # changes the replicas builds a new one.
-        self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in policy.lanes]
+        self._lane_caps: list[int] = []
+        self.on_replicas_changed()
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
-        self._confined_above = [[i for i in confined if i > lane] for lane in range(n_lanes)]
+        self._confined_above = [[i for i in confined if i > lane] for lane in range(len(policy.lanes))]
         self.last_reasons: dict[str, int] = {}
         self.tenant_share = policy.tenant_prefill_share
         # The two most recent tenants seen (O(1) "is another tenant active?"): the latest tenant and when it was
@@ -92,6 +84,21 @@ class Placer:
         # Arrivals per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (count, as of).
         self._tenant_rate: dict[str, tuple[float, float]] = {}
         self._total = (0.0, 0.0)
+
+    def on_replicas_changed(self) -> None:
+        """The pool's replica set changed (built, reloaded, or discovery added / removed one): new replicas get the
+        policy's KV capacity default and per-lane counters, and each confined lane's replica cap follows the
+        pool's size."""
+        n_lanes = len(self.policy.lanes)
+        for r in self.pool.replicas:
+            if not r.kv_capacity_tokens and self.policy.kv_capacity_tokens:
+                r.kv_capacity_tokens = self.policy.kv_capacity_tokens
+            if len(r.lane_inflight) != n_lanes:  # a reload keeps the counts of requests still in flight
+                r.lane_inflight = [0] * n_lanes
+            if len(r.lane_prefill_until) != n_lanes:
+                r.lane_prefill_until = [0.0] * n_lanes
+        # Per lane: how many replicas may prefill it at once (0 = not confined).
+        self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
 
     # ---- estimates -------------------------------------------------------------------------------------
     def backlog(self, r: Replica, now: float) -> float:
@@ -124,7 +131,7 @@ class Placer:
         lane_set = self._lane_sets[lane]
         if lane_set and r.address not in lane_set:
             return LANE
-        if r.inflight_requests >= max(1, int(pol.max_concurrency_per_replica * w)):
+        if r.inflight_requests + r.shared_requests >= max(1, int(pol.max_concurrency_per_replica * w)):
             return CONCURRENCY
         if r.engine.waiting > pol.max_waiting_per_replica:
             return QUEUE_FULL
@@ -226,11 +233,13 @@ class Placer:
         if cap:
             s += pol.score_kv_weight * (r.kv_used_tokens() + req.total_tokens) / cap
         else:
-            s += pol.score_kv_weight * r.inflight_requests / pol.max_concurrency_per_replica
+            busy = r.inflight_requests + r.shared_requests
+            s += pol.score_kv_weight * busy / pol.max_concurrency_per_replica
         return s + pol.score_waiting_weight * r.engine.waiting
 
     def choose(self, req: LLMRequest, lane: int, now: float) -> list[Replica] | None:
-        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now."""
+        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now. A request with a
+        subset (the gateway's hint in EPP mode, `req.subset`) considers only the replicas it allows."""
         best = second = None
         best_s = second_s = 0.0
         affinity = self._affinity(req) if self.policy.affinity_slack > 0 else None
@@ -247,7 +256,10 @@ class Placer:
             return None
         tenant = req.tenant if over == 0 else None
         ttft_limit = self.ttft_limit_s(req, now)
+        subset = req.subset
         for r in self.pool.replicas:
+            if subset is not None and not subset.allows(r.address):
+                continue  # the gateway's subset hint (EPP mode): not a candidate at all
             if tenant is not None and r.tenant_prefill_until.get(tenant, 0.0) <= now:
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
@@ -293,3 +305,11 @@ class Placer:
         r.lane_inflight[lane] -= 1
         if r.lane_inflight[lane] == 0:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
+
+    def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int) -> int:
+        """The request was served by `to`, not by `r` where it was placed (the gateway walked down the pin list):
+        its accounting follows it. Returns its epoch on `to`."""
+        self.release(r, req, lane, epoch)
+        to.place(req.total_tokens, req.prompt_tokens)
+        to.lane_inflight[lane] += 1
+        return to.scrape_epoch

@@ -74,7 +74,8 @@ def diff_sets(pool: str, before: frozenset[str], after: frozenset[str], initial:
     return EndpointDiff(pool, tuple(sorted(after - before)), tuple(sorted(before - after)), initial)
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Is `host` an IP address literal (not a name to resolve)?"""
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -96,7 +97,7 @@ def _split(text: str, where: str) -> tuple[str, int, bool]:
     if not 1 <= port <= 65535:
         raise BadReplicaEntry(f"{where}: port {port} out of range 1..65535")
     if m["v6"] is not None:
-        if not _is_ip(m["v6"]):
+        if not is_ip(m["v6"]):
             raise BadReplicaEntry(f"{where}: {m['v6']!r} is not an IPv6 address")
         return m["v6"], port, True
     return m["host"], port, False
@@ -108,7 +109,7 @@ def parse_replica_entry(entry: Any, where: str = "replicas") -> ReplicaSource:
         if set(entry) != {"dns"} or not isinstance(entry["dns"], str):
             raise BadReplicaEntry(f"{where}: a mapping entry must be {{dns: name:port}}, got {entry!r}")
         host, port, bracketed = _split(entry["dns"], where)
-        if bracketed or _is_ip(host):
+        if bracketed or is_ip(host):
             raise BadReplicaEntry(f"{where}: dns: wants a name, {entry['dns']!r} is an address")
         if not _valid_name(host):
             raise BadReplicaEntry(f"{where}: {host!r} is not a valid DNS name")
@@ -116,7 +117,7 @@ def parse_replica_entry(entry: Any, where: str = "replicas") -> ReplicaSource:
     if not isinstance(entry, str):
         raise BadReplicaEntry(f"{where}: {entry!r} is neither host:port nor {{dns: name:port}}")
     host, port, bracketed = _split(entry, where)
-    if bracketed or _is_ip(host):
+    if bracketed or is_ip(host):
         return ReplicaSource(STATIC, host, port)
     if not _valid_name(host):
         raise BadReplicaEntry(f"{where}: {host!r} is not a valid DNS name")

@@ -12,7 +12,9 @@ Verified with Envoy 1.40 (tests/discovery/test_eds_envoy.py): an address first w
 through override_host at once; a pin to an address Envoy does not know falls through to the next entry of the pin
 list, then to the fallback policy; a request in flight on an address removed from the file completes.
 
-Envoy needs the bootstrap's `node` id and cluster for path-based EDS (render_bootstrap sets them).
+Envoy needs the bootstrap's `node` id and cluster for path-based EDS (render_bootstrap sets them). `sluice render`
+writes a pool's first EDS file (its fixed addresses) only when there is none yet; the sidecar rewrites it with every
+discovery change (extproc/endpoints.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from envoy_data_plane.envoy.config.core.v3 import Address, ApiVersion, ConfigSou
     SocketAddress, WatchedDirectory
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints
 
-from extproc.xds import _discovery_doc, _write_atomic
+from extproc.xds_files import discovery_doc, write_atomic
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -60,5 +62,5 @@ def load_assignment(cluster: str, addresses: Iterable[str]) -> ClusterLoadAssign
 def write_eds(out_dir: str | Path, cluster: str, addresses: Iterable[str]) -> Path:
     """Write (atomically) the cluster's endpoints; Envoy applies the file within milliseconds of the rename."""
     path = eds_path(out_dir, cluster)
-    _write_atomic(path, _discovery_doc([load_assignment(cluster, addresses)]))
+    write_atomic(path, discovery_doc([load_assignment(cluster, addresses)]))
     return path

@@ -45,10 +45,12 @@ class InvalidInferencePool(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    """The two fields of an InferencePool that decide its endpoints."""
+    """The fields of an InferencePool that decide its endpoints, and its failure mode."""
 
     match_labels: tuple[tuple[str, str], ...]
     target_ports: tuple[int, ...]
+    failure_mode: str = "FailClose"  # endpointPickerRef.failureMode: what the gateway (and sluice, when it cannot
+                                     # decide) does without a pick
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any]) -> "PoolSpec":
@@ -59,7 +61,8 @@ class PoolSpec:
             name = (obj.get("metadata") or {}).get("name", "?")
             raise InvalidInferencePool(f"InferencePool {name}: spec.selector.matchLabels and spec.targetPorts "
                                        "are required")
-        return cls(tuple(sorted((str(k), str(v)) for k, v in labels.items())), ports)
+        failure_mode = (spec.get("endpointPickerRef") or {}).get("failureMode") or "FailClose"
+        return cls(tuple(sorted((str(k), str(v)) for k, v in labels.items())), ports, str(failure_mode))
 
     @property
     def label_selector(self) -> str:
@@ -222,6 +225,11 @@ class KubernetesDiscovery:
 
     def snapshot(self) -> frozenset[str]:
         return self._reported or frozenset()
+
+    @property
+    def snapshot_known(self) -> bool:
+        """Has the API answered once (the pool's endpoints are known, possibly none)?"""
+        return self._reported is not None
 
     async def start(self, first_timeout_s: float = 10.0) -> EndpointDiff | None:
         """Start following the pool; wait (up to `first_timeout_s`) for the first report and return it (None if

@@ -66,6 +66,7 @@ SIGNALS_OK = "signals_ok"
 SLOW_START_DONE = "slow_start_done"
 POOL_FALLBACK = "pool_fallback"
 FALLBACK_RELEASED = "fallback_released"
+DISCOVERED = "discovered"
 
 _SERVING = (HEALTHY, RECOVERING)
 
@@ -353,6 +354,29 @@ class HealthTracker:
         """Put a replica at the first slow-start step (RECOVERING), e.g. when an operator undrains it: its step
         timer restarts, and the transition is counted and logged like any other."""
         self._move(r, self._track(r), RECOVERING, reason, detail, time.monotonic() if now is None else now)
+
+    def start_slow(self, r: Replica, reason: str = DISCOVERED, now: float | None = None) -> None:
+        """A replica that joins the pool while it serves (discovery found it): RECOVERING at the first slow-start
+        step, like one back from ejection (P6). It had no state before, so no transition is counted; its ramp
+        shows in sluice_replica_weight and ends with recovering -> healthy (slow_start_done). With health off
+        (nothing would ever advance the ramp) it joins HEALTHY at full weight."""
+        if not self.policy.enabled:
+            return
+        now = time.monotonic() if now is None else now
+        tr = self._track(r)
+        r.state, r.weight = RECOVERING, self.policy.slow_start_steps[0]
+        r.state_since, r.state_reason = now, f"{reason}: slow start at weight {r.weight:g}"
+        tr.code, tr.good_since, tr.step, tr.step_since, tr.fallback = reason, None, 0, now, False
+        tr.metrics.state(r.state, r.weight)
+        log.info("replica %s/%s joined the pool (%s): slow start at weight %g", r.pool, r.address, reason, r.weight)
+
+    def register(self, r: Replica) -> None:
+        """A replica that joined the pool as part of its starting set: its state and weight series appear now."""
+        self._track(r)
+
+    def forget(self, address: str) -> None:
+        """The replica left the pool: drop what the tracker remembers of it."""
+        self._tracks.pop(address, None)
 
     def _move(self, r: Replica, tr: _Track, to: str, code: str, detail: str, now: float) -> None:
         frm = r.state

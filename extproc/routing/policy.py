@@ -77,6 +77,25 @@ class HealthPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedLoadPolicy:
+    """Several gateways as one (shared_load.py): with `budgets.store.kind: redis`, each sidecar publishes its
+    requests in flight per replica and placement adds the other sidecars' fresh share to the scraped state."""
+
+    enabled: bool = True              # share in-flight load through the budgets' Redis (only with
+                                      # budgets.store.kind: redis; memory store: nothing to share with)
+    interval_s: float = 0.1           # seconds between two publish-and-read round trips to Redis (never per
+                                      # request); shorter than the scrape interval, or the view adds little
+    stale_after_s: float = 1.0        # another sidecar's report older than this is ignored (it stopped, or lost
+                                      # Redis): its load is then seen through scrapes only
+    max_backoff_s: float = 5.0        # longest wait between attempts while Redis is unreachable
+
+    def validate(self, path: str) -> None:
+        positive(self, path, "interval_s", "stale_after_s", "max_backoff_s")
+        require(self.interval_s < self.stale_after_s, f"{path}.interval_s", "must be < stale_after_s")
+        require(self.max_backoff_s >= self.interval_s, f"{path}.max_backoff_s", "must be >= interval_s")
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingPolicy:
     """Scraping and health of the replicas."""
 
@@ -90,6 +109,9 @@ class RoutingPolicy:
                                       # tokens/s, preemptions
     health: HealthPolicy = field(default_factory=HealthPolicy)  # when a replica is healthy, degraded, ejected or
                                                                  # recovering
+    shared_load: SharedLoadPolicy = field(default_factory=SharedLoadPolicy)  # several gateways in front of one
+                                                                              # pool see each other's requests in
+                                                                              # flight (Redis)
 
     def __post_init__(self) -> None:
         if self.stale_after_s is None:

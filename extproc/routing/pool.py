@@ -1,12 +1,18 @@
 """Replicas of one model: what the sidecar knows about each (scraped engine state, its own placements, health)
 and the pool-level view admission reads.
 
-Three sources meet in `Replica`:
+Four sources meet in `Replica`:
 - the scraper (`scrape.py`) writes the engine's own numbers (KV usage, running, waiting, TTFT...) every
   100-250 ms;
 - this sidecar's accounting (`place` / `release`) is exact and immediate, so between scrapes the sidecar adds
   its own placements to the last scraped state (P7, P9);
+- the other sidecars' requests in flight, when several gateways share them through Redis (`shared_load.py`,
+  copied here by `note_shared`);
 - the health tracker (`health.py`) sets `state` and `weight` from business signals (P6, P8).
+
+A pool's replica set changes at run time when replicas are found by name (extproc/discovery): `add_replica`,
+`retire_replica` (no new requests; the ones in flight finish) and `sweep_retired` (gone once nothing is in
+flight on it).
 """
 
 from __future__ import annotations
@@ -77,6 +83,12 @@ class Replica:
     state: str = HEALTHY
     weight: float = 1.0                 # share of normal capacity this replica may take (slow start)
     draining: bool = False              # operator drain: no new traffic
+    retired: bool = False               # gone from discovery: draining until its requests in flight finish, then
+                                        # removed from the pool (`Pool.sweep_retired`)
+    # the other sidecars' requests in flight here (several gateways sharing through Redis; 0 without)
+    shared_tokens: int = 0
+    shared_requests: int = 0
+    shared_at_scrape: int = 0           # others' in-flight tokens when this replica was last scraped
     state_since: float = field(default_factory=time.monotonic)
     state_reason: str = "start"
 
@@ -106,6 +118,7 @@ class Replica:
         self.scrape_epoch += 1
         self.placed_since_scrape_tokens = 0
         self.placed_since_scrape_requests = 0
+        self.shared_at_scrape = self.shared_tokens
         if engine.kv_capacity_tokens:
             self.kv_capacity_tokens = engine.kv_capacity_tokens
         if engine.running + engine.waiting > 0 and engine.prompt_tps > 0:
@@ -116,11 +129,22 @@ class Replica:
         """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
         return not self.draining and self.state != EJECTED and self.weight > 0
 
+    def note_shared(self, tokens: int, requests: int) -> None:
+        """The other sidecars' requests in flight here, as of the latest shared view."""
+        self.shared_tokens = tokens
+        self.shared_requests = requests
+
     def kv_used_tokens(self) -> float:
-        """Best estimate of KV tokens in use now: the last scrape plus what this sidecar placed since, and never
-        less than this sidecar's own reservations (a full footprint per request, so no preemption)."""
-        scraped = self.engine.kv_usage * self.kv_capacity_tokens + self.placed_since_scrape_tokens
-        return max(scraped, float(self.inflight_tokens))
+        """Best estimate of KV tokens in use now: the last scrape plus what was placed since (by this sidecar, and
+        the other sidecars' growth since the scrape), and never less than the reservations in flight (a full
+        footprint per request, so no preemption):
+
+            max(scraped + placed since + max(0, shared - shared at scrape), own in flight + shared in flight)
+        """
+        since_shared = self.shared_tokens - self.shared_at_scrape
+        scraped = (self.engine.kv_usage * self.kv_capacity_tokens + self.placed_since_scrape_tokens
+                   + (since_shared if since_shared > 0 else 0))
+        return max(scraped, float(self.inflight_tokens + self.shared_tokens))
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests
@@ -137,8 +161,38 @@ class Pool:
 
     @classmethod
     def from_config(cls, cfg: PoolConfig) -> "Pool":
+        """The pool's fixed addresses; replicas by name join when discovery first reports them."""
         return cls(model=cfg.model, cluster=cfg.cluster, metrics_style=cfg.metrics_style,
-                   replicas=[Replica(address=a, pool=cfg.model) for a in cfg.replicas])
+                   replicas=[Replica(address=a, pool=cfg.model) for a in cfg.addresses])
+
+    # ---- membership (discovery) ----------------------------------------------------------------------------
+    def add_replica(self, address: str) -> tuple[Replica, bool]:
+        """The replica at `address`, added if new. (replica, True) when it is new or was retiring (re-added
+        before its drain ended: the retirement is cancelled); the caller decides its health (slow start)."""
+        r = self.by_address(address)
+        if r is None:
+            r = Replica(address=address, pool=self.model)
+            self.replicas.append(r)
+            return r, True
+        if r.retired:
+            r.retired = r.draining = False
+            return r, True
+        return r, False
+
+    def retire_replica(self, address: str) -> Replica | None:
+        """No new requests to `address`; its requests in flight finish, then `sweep_retired` removes it."""
+        r = self.by_address(address)
+        if r is not None:
+            r.retired = r.draining = True
+        return r
+
+    def sweep_retired(self) -> list[Replica]:
+        """Remove the retired replicas with nothing in flight; returns them (the caller forgets their health
+        state and metric series)."""
+        gone = [r for r in self.replicas if r.retired and r.inflight_requests == 0]
+        if gone:
+            self.replicas = [r for r in self.replicas if r not in gone]
+        return gone
 
     def candidates(self) -> list[Replica]:
         return [r for r in self.replicas if r.routable]

@@ -13,7 +13,8 @@ Protocol (one Redis round trip per `interval_s`, never per request; off the hot 
   deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
   `stale_after_s`: its load is then visible only through scrapes, as today.
 
-What placement adds (`Load` per replica, from `others()` / `since_scrape()`):
+What placement adds (`Load` per replica, from `others()`; the Fleet copies it onto each `Replica`, see
+routing/pool.py `Replica.kv_used_tokens`):
   reserved floor   own in-flight tokens + others' in-flight tokens
   between scrapes  others' in-flight growth since this sidecar last scraped the replica:
                    since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
@@ -29,12 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import orjson
 
 from extproc.routing import metrics as rm
+from extproc.routing.policy import SharedLoadPolicy
 
 log = logging.getLogger("sluice.routing.shared_load")
 
@@ -76,28 +80,6 @@ class Load:
 
 
 ZERO = Load()
-
-
-@dataclass(frozen=True, slots=True)
-class SharedLoadPolicy:
-    """Fields:
-      interval_s: how often this sidecar publishes and reads (one Redis round trip each time). Shorter than the
-        scrape interval, or the view adds little to the scrapes.
-      stale_after_s: another sidecar's report older than this is ignored (that sidecar stopped or lost Redis).
-      max_backoff_s: longest wait between attempts while Redis is unreachable.
-      key: the Redis hash every sidecar of one deployment shares (prefix it like the budget keys).
-    """
-
-    interval_s: float = 0.1
-    stale_after_s: float = 1.0
-    max_backoff_s: float = 5.0
-    key: str = "sluice:load"
-
-    def __post_init__(self) -> None:
-        if not (0 < self.interval_s < self.stale_after_s):
-            raise ValueError("shared load: need 0 < interval_s < stale_after_s")
-        if self.max_backoff_s < self.interval_s:
-            raise ValueError("shared load: max_backoff_s must be >= interval_s")
 
 
 def redis_client(url: str, timeout_s: float = 0.05) -> Any:
@@ -142,16 +124,16 @@ class SharedLoad:
     (and with an empty view when Redis is lost), on the event loop."""
 
     def __init__(self, client: Any, sidecar_id: str, local_view: LocalView,
-                 policy: SharedLoadPolicy | None = None) -> None:
+                 policy: SharedLoadPolicy | None = None, key: str = "sluice:load") -> None:
         self.client = client
         self.sidecar_id = sidecar_id
         self.local_view = local_view
         self.policy = policy or SharedLoadPolicy()
+        self.key = key  # the Redis hash every sidecar of one deployment shares
         self._script = client.register_script(_SYNC_LUA)
         self.view: View = {}
         self.peers = 0
         self.degraded = False
-        self._baseline: dict[tuple[str, str], int] = {}
         self._delay = self.policy.interval_s
         self._task: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[View], None]] = []
@@ -161,23 +143,13 @@ class SharedLoad:
         """The other sidecars' fresh in-flight load on the replica (zero without a shared view)."""
         return self.view.get(pool, {}).get(replica, ZERO)
 
-    def note_scrape(self, pool: str, replica: str) -> None:
-        """This sidecar just scraped the replica: the others' load so far is in the scraped numbers."""
-        self._baseline[(pool, replica)] = self.others(pool, replica).tokens
-
-    def since_scrape(self, pool: str, replica: str) -> int:
-        """Tokens the others placed on the replica since this sidecar's last scrape of it (see the module
-        docstring: max(0, others now - others at that scrape))."""
-        grown = self.others(pool, replica).tokens - self._baseline.get((pool, replica), 0)
-        return grown if grown > 0 else 0
-
     # ---- one round trip ---------------------------------------------------------------------------------
     async def sync_once(self) -> bool:
         """Publish this sidecar's load and read the others'. False (view emptied, degraded) on any Redis error."""
         p = self.policy
         try:
             payload = _encode(self.local_view())
-            reports = await self._script(keys=[p.key],
+            reports = await self._script(keys=[self.key],
                                          args=[self.sidecar_id, payload, int(p.stale_after_s * 1000)])
         except Exception as exc:  # redis errors, timeouts, connection refused: all mean "no shared view now"
             self._lose(exc)
@@ -204,7 +176,6 @@ class SharedLoad:
         rm.SHARED_LOAD_PEERS.set(0)
         if self.view:
             self.view = {}
-            self._baseline.clear()
             self._notify()
 
     def _notify(self) -> None:
@@ -233,3 +204,18 @@ class SharedLoad:
             await self.client.aclose(close_connection_pool=True)
         except Exception:  # closing a broken connection must not fail shutdown
             pass
+
+
+def shared_load_from_policy(policy: Any, worker: int, local_view: LocalView,
+                            listener: Callable[[View], None]) -> SharedLoad | None:
+    """The shared view a policy asks for (`routing.shared_load.enabled` with `budgets.store.kind: redis`, through
+    the budgets' Redis under their key prefix), not started; None when there is nothing to share with."""
+    store = policy.budgets.store
+    if store.kind != "redis" or not policy.routing.shared_load.enabled:
+        return None
+    client = redis_client(store.redis.url, timeout_s=max(store.redis.socket_timeout_s, 0.05))
+    sidecar_id = f"{socket.gethostname()}:{os.getpid()}:{worker}"
+    shared = SharedLoad(client, sidecar_id, local_view, policy.routing.shared_load,
+                        key=f"{store.redis.key_prefix}load")
+    shared.listeners.append(listener)
+    return shared

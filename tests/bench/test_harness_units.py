@@ -84,7 +84,7 @@ def test_scan_events_after_the_clients_timeout_counts_late_tokens_only():
 
 def test_variants_sort_after_their_problem_and_names_are_case_insensitive():
     ids = [s.id for s in get_scenarios(["all"])]
-    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-2:] == ["P13", "PX"]
+    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-3:] == ["P13", "PG", "PX"]
     assert [s.id for s in get_scenarios(["p4N", "P10", "p4"])] == ["P4", "P4n", "P10"]
     p4, p4n = get_scenarios(["P4", "P4n"])
     assert "no-abort" not in p4.sim_args and p4n.sim_args == ["--fault", "no-abort"]
@@ -171,6 +171,7 @@ REQUIRED_KEYS = {
     "P12": {"open_streams_max", "rejected_clean", "gateway_rss_mb"},
     "P13": {"gateway_rss_mb_per_slow_stream", "slow_streams_cut"},
     "PX": {"prefix_hit_rate", "best_achievable_hit_rate", "ttft_p95_s", "kv_usage_max"},
+    "PG": {"ttft_p95_s", "preemptions", "kv_usage_spread"},
 }
 
 
@@ -179,7 +180,7 @@ def test_every_scenario_is_bounded_documented_and_robust(sid: str):
     [sc] = get_scenarios([sid])
     assert sc.id == sid
     doc = sc.describe()
-    assert "Workload" in doc and "Headline metrics" in doc and "Reproduced on envoy-rr" in doc
+    assert "Workload" in doc and "Headline metrics" in doc and f"Reproduced on {sc.reproduced_on}" in doc
     keys = {m.key for m in sc.metrics_doc}
     assert REQUIRED_KEYS[sid] <= keys
     for quick, budget in ((True, 26.0), (False, 90.0)):

