@@ -101,6 +101,9 @@ def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_
         budgets = data.setdefault("budgets", {})
         budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
     policy = with_free_ports(policy_from_dict(data))
+    if backend is not None and backend.real:  # the engines' own ports, not fresh ones
+        policy.pools = [dataclasses.replace(policy.pools[0], replicas=list(data["pools"][0]["replicas"])),
+                        *policy.pools[1:]]
     baseline = baseline_options(sc) if system == "envoy-tuned" else None
     return Stack(policy, run_dir=run_dir, mode=system, baseline=baseline)
 
