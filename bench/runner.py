@@ -490,13 +490,19 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
 # ---- all runs ---------------------------------------------------------------------------------------------------
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
-                  verbose: bool = True, command: str = "", backend: Backend | None = None) -> dict[str, Any]:
+                  verbose: bool = True, command: str = "", backend: Backend | None = None,
+                  replicas: int | None = None) -> dict[str, Any]:
+    """Every scenario x system. `replicas` runs each scenario on a pool of that size (rates that follow the pool
+    scale with it); a real backend's pool is its engines (`backend.pool_size`)."""
     from bench import report
 
     backend = backend or SimBackend()
     scenarios = [n for n in names if isinstance(n, Scenario)]
     scenarios += get_scenarios([n for n in names if isinstance(n, str)]) if any(isinstance(n, str) for n in names) \
         else []
+    pool = replicas or backend.pool_size
+    if pool:
+        scenarios = [sc if sc.replicas == pool else sc.with_replicas(pool) for sc in scenarios]
     need_nofile = max([s.nofile for s in scenarios] + [4096])
     raise_nofile(need_nofile)
     out: dict[str, Any] = {}
@@ -504,7 +510,8 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
-                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {}}
+                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {},
+                            "replicas": {sc.id: sc.replicas for sc in scenarios}}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:
@@ -596,6 +603,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
     parser.add_argument("--backend", default="sim", choices=("sim", "vllm-cpu"),
                         help="the replicas: simulators (default) or two real vLLM-CPU engines, one per core")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="run every scenario on a pool of this many replicas (default: the scenario's own; "
+                             "vllm-cpu: its two engines)")
     parser.add_argument("--vllm", default=None, help="the vllm-cpu venv (default: bench/vllm_cpu.py's VENV)")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -613,7 +623,7 @@ def main(argv: list[str]) -> int:
     backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv), backend=backend)
+                           command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -621,7 +631,7 @@ def main(argv: list[str]) -> int:
     summary = args.summary
     if summary is None:
         complete = (set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
-                    and args.backend == "sim")
+                    and args.backend == "sim" and args.replicas is None)
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)
