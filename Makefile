@@ -68,7 +68,7 @@ bench: $(STAMP)
 # same commit, in batches that each stay within a shared machine's CPU-lock budget (set BENCH_LOCK to wrap each batch,
 # e.g. BENCH_LOCK="flock -x /tmp/sluice-cpu.lock"); merged into bench/results/real.json and real-sim.json, and the
 # comparison written into docs/benchmarks.md.
-REAL_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
+REAL_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
 SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
 BENCH_LOCK ?=
 REAL_DIR := bench/results/real
