@@ -27,7 +27,7 @@ from bench.scenarios import get_scenarios
 
 BEGIN, END = "<!-- real-engines:begin -->", "<!-- real-engines:end -->"
 PER_SCENARIO_META = ("runs", "reproduced", "why", "time_scale", "errors", "sluice_policy", "baselines",
-                     "reproduced_by", "skipped")
+                     "reproduced_by", "skipped", "replicas")
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
