@@ -51,6 +51,7 @@ TENANT_SHARE = 0.5  # envoy-tuned's rate limit: each tenant at most this share o
 POLL_S = 0.25
 RESULTS = Path("bench/results")
 SUMMARY = Path("docs/benchmarks-scenarios.md")
+PUBLISHED_PAGES = (Path("README.md"), Path("docs/benchmarks.md"))  # carry the results block (bench/report.py)
 
 
 # ---- stack ------------------------------------------------------------------------------------------------------
@@ -640,6 +641,8 @@ def main(argv: list[str]) -> int:
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)
+        for page in PUBLISHED_PAGES:  # a complete run is the published one: its headline table goes there too
+            report.update_results_block(result, page)
     print("\nreproduced on envoy-rr: " + ", ".join(
         f"{k}={'yes' if v else ('not run' if v is None else 'no')}" for k, v in meta["reproduced"].items()))
     print(f"total wall time: {meta['wall_s']} s")

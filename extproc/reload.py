@@ -171,39 +171,99 @@ def reload_policy(path: str | os.PathLike[str], gateway: Gateway, trigger: str =
                   xds_out: str | os.PathLike[str] | None = None, xds_dir: str | os.PathLike[str] | None = None,
                   mode: str = "sluice") -> ReloadResult:
     """Read, validate and apply the policy file; never raises for a bad policy. With `xds_out`, Envoy's files are
-    re-rendered there after the sidecar applied the policy (Envoy watches that directory)."""
-    at = time.time()
-    src = str(path)
-    old = gateway.policy
-    budgets_before = getattr(gateway, "budgets", None)
-    try:
-        policy = load_policy(path)
-        changes = apply_policy(gateway, policy)
-    except (PolicyError, ValueError, TypeError) as exc:
-        msg = str(exc) if isinstance(exc, PolicyError) else f"{src}: {exc}"
-        log.error("policy reload (%s) rejected, the previous policy stays in force: %s", trigger, msg)
-        return _record(ReloadResult(False, [], msg, src, at, trigger))
-    except Exception as exc:  # a bug in a section parser must not kill the watcher
-        log.exception("policy reload (%s) failed, the previous policy stays in force", trigger)
-        return _record(ReloadResult(False, [], f"{src}: {type(exc).__name__}: {exc}", src, at, trigger))
-    changes = [c for c in changes if c != "no change"] + restart_notes(old, policy)
-    budgets_after = getattr(gateway, "budgets", None)
-    if budgets_after is not budgets_before and hasattr(budgets_after, "start"):
-        _start_budgets(budgets_after)
+    re-rendered there after the sidecar applied the policy (Envoy watches that directory). Synchronous: for
+    callers without an event loop; the running sidecar uses `reload_policy_async`."""
+    attempt = _Attempt(path, gateway, trigger)
+    policy = attempt.read()
+    if policy is None or not attempt.apply(policy):
+        return attempt.result
     if xds_out is not None:
-        try:
-            from extproc.xds import render
+        attempt.rendered(_render_xds(policy, xds_out, xds_dir, mode))
+    return attempt.finish(policy)
 
-            render(policy, xds_out, mode, xds_dir=xds_dir)
-            changes.append(f"envoy xDS re-rendered into {xds_out}")
-        except Exception as exc:  # the sidecar side is applied; say loudly that Envoy's is not
-            log.exception("policy applied to the sidecar, but re-rendering Envoy's xDS into %s failed", xds_out)
-            changes.append(f"envoy xDS NOT re-rendered: {type(exc).__name__}: {exc}")
-    note_policy(policy)
-    if not changes:
-        changes = ["no change"]
-    log.info("policy reload (%s) applied from %s: %s", trigger, src, "; ".join(changes))
-    return _record(ReloadResult(True, changes, "", src, at, trigger))
+
+async def reload_policy_async(path: str | os.PathLike[str], gateway: Gateway, trigger: str = "admin",
+                              xds_out: str | os.PathLike[str] | None = None,
+                              xds_dir: str | os.PathLike[str] | None = None, mode: str = "sluice") -> ReloadResult:
+    """`reload_policy` for the running sidecar: reading and validating the file, and rendering Envoy's files
+    (about 130 ms of CPU with envoy-data-plane), run in a worker thread, so the event loop keeps answering Envoy
+    within its `message_timeout` while a reload is under way. Only the swap itself (`apply_policy`, well under a
+    millisecond) runs on the loop, between two messages, as before."""
+    attempt = _Attempt(path, gateway, trigger)
+    policy = await asyncio.to_thread(attempt.read)
+    if policy is None or not attempt.apply(policy):
+        return attempt.result
+    if xds_out is not None:
+        attempt.rendered(await asyncio.to_thread(_render_xds, policy, xds_out, xds_dir, mode))
+    return attempt.finish(policy)
+
+
+class _Attempt:
+    """One reload attempt, step by step: read (any thread), apply (the gateway's loop), then finish. A failed step
+    records the attempt (`result`) and leaves the previous policy in force."""
+
+    def __init__(self, path: str | os.PathLike[str], gateway: Gateway, trigger: str) -> None:
+        self.path, self.gateway, self.trigger = path, gateway, trigger
+        self.at = time.time()
+        self.src = str(path)
+        self.old = gateway.policy
+        self.budgets_before = getattr(gateway, "budgets", None)
+        self.changes: list[str] = []
+        self.result: ReloadResult | None = None
+
+    def read(self) -> Policy | None:
+        try:
+            return load_policy(self.path)
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    def apply(self, policy: Policy) -> bool:
+        try:
+            self.changes = apply_policy(self.gateway, policy)
+        except Exception as exc:
+            self._fail(exc)
+            return False
+        return True
+
+    def rendered(self, change: str) -> None:
+        self.changes.append(change)
+
+    def finish(self, policy: Policy) -> ReloadResult:
+        """Record the applied policy: restart-only changes noted, a replaced budgets store started."""
+        changes = [c for c in self.changes if c != "no change"] + restart_notes(self.old, policy)
+        budgets_after = getattr(self.gateway, "budgets", None)
+        if budgets_after is not self.budgets_before and hasattr(budgets_after, "start"):
+            _start_budgets(budgets_after)
+        note_policy(policy)
+        if not changes:
+            changes = ["no change"]
+        log.info("policy reload (%s) applied from %s: %s", self.trigger, self.src, "; ".join(changes))
+        self.result = _record(ReloadResult(True, changes, "", self.src, self.at, self.trigger))
+        return self.result
+
+    def _fail(self, exc: Exception) -> None:
+        if isinstance(exc, (PolicyError, ValueError, TypeError)):
+            msg = str(exc) if isinstance(exc, PolicyError) else f"{self.src}: {exc}"
+            log.error("policy reload (%s) rejected, the previous policy stays in force: %s", self.trigger, msg)
+        else:  # a bug in a section parser must not kill the watcher
+            msg = f"{self.src}: {type(exc).__name__}: {exc}"
+            log.exception("policy reload (%s) failed, the previous policy stays in force", self.trigger)
+        self.result = _record(ReloadResult(False, [], msg, self.src, self.at, self.trigger))
+
+
+def _render_xds(policy: Policy, xds_out: str | os.PathLike[str], xds_dir: str | os.PathLike[str] | None,
+                mode: str) -> str:
+    """Re-render Envoy's files after the sidecar applied the policy; returns the change line (a failure is said
+    loudly, and the sidecar side stays applied)."""
+    try:
+        from extproc.xds import render
+
+        render(policy, xds_out, mode, xds_dir=xds_dir)
+        return f"envoy xDS re-rendered into {xds_out}"
+    except Exception as exc:
+        log.exception("policy applied to the sidecar, but re-rendering Envoy's xDS into %s failed", xds_out)
+        return f"envoy xDS NOT re-rendered: {type(exc).__name__}: {exc}"
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -243,6 +303,7 @@ class PolicyWatcher:
         self._task: asyncio.Task[None] | None = None
         self._sighup = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reloading = asyncio.Lock()
         LAST_SUCCESS.set(1)  # the policy the gateway started with is valid and in force
         note_policy(gateway.policy)
 
@@ -275,10 +336,23 @@ class PolicyWatcher:
 
     # ---- reloading --------------------------------------------------------------------------------------
     def reload(self, trigger: str = "admin") -> ReloadResult:
-        """Reload now (admin API hook: `AdminServicer(..., on_reload=watcher.reload)`)."""
+        """Reload now, synchronously (callers without a running loop)."""
+        self._remember_file()
+        return self._report(reload_policy(self.path, self.gateway, trigger, self.xds_out, self.xds_dir, self.mode))
+
+    async def reload_async(self, trigger: str = "admin") -> ReloadResult:
+        """Reload now without blocking the loop (admin API hook: `AdminServicer(..., on_reload=watcher.reload_async)`;
+        SIGHUP and file changes go through it too)."""
+        async with self._reloading:  # one at a time: a SIGHUP during a file-change reload waits its turn
+            self._remember_file()
+            return self._report(await reload_policy_async(self.path, self.gateway, trigger, self.xds_out,
+                                                          self.xds_dir, self.mode))
+
+    def _remember_file(self) -> None:
         self._stamp = _stamp(self.path)
         self._digest = _digest(self.path)
-        result = reload_policy(self.path, self.gateway, trigger, self.xds_out, self.xds_dir, self.mode)
+
+    def _report(self, result: ReloadResult) -> ReloadResult:
         if self.on_change is not None:
             try:
                 self.on_change(result)
@@ -288,7 +362,9 @@ class PolicyWatcher:
 
     def _on_sighup(self) -> None:
         log.info("SIGHUP: reloading %s", self.path)
-        self.reload("sighup")
+        task = asyncio.ensure_future(self.reload_async("sighup"))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
     async def _poll(self) -> None:
         while True:
@@ -307,9 +383,9 @@ class PolicyWatcher:
             if digest is not None and digest == self._digest:
                 self._stamp = stamp  # touched, same content: nothing to do
                 continue
-            self.reload("file_change")
+            await self.reload_async("file_change")
 
 
-__all__ = ["PolicyWatcher", "ReloadResult", "apply_policy", "reload_policy", "last_result", "note_policy",
+__all__ = ["PolicyWatcher", "ReloadResult", "apply_policy", "reload_policy", "reload_policy_async", "last_result", "note_policy",
            "restart_notes",
            "RELOADS", "LAST_SUCCESS", "LAST_RELOAD_TS", "MAX_DOWNSTREAM_CONNECTIONS"]

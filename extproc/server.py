@@ -136,7 +136,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     if watcher is not None:
         await watcher.start(sighup=True)
     admin = await start_admin_server(gateway, "127.0.0.1", sc.admin_port + worker, policy.source,
-                                     on_reload=watcher.reload if watcher is not None else None)
+                                     on_reload=watcher.reload_async if watcher is not None else None)
     state["ready"] = True
     m.READY.set(1)
     m.OPEN_REQUESTS_CAP.set(gateway.open_cap)

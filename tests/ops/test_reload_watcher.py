@@ -169,3 +169,35 @@ async def test_streaming_change_is_reported_as_restart_only(policy_file: Path):
     write_policy(policy_file, {**BASE, "streaming": {"sample_rate": 0.5}})
     result = reload_policy(policy_file, gw)
     assert result.ok and any(c.startswith("streaming: changed") for c in result.changes)
+
+
+async def test_reload_reads_and_renders_off_the_event_loop(policy_file: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """The running sidecar's reload reads the file and renders Envoy's files in a worker thread: the loop that
+    answers Envoy only does the swap (a render is ~130 ms of CPU, Envoy's message_timeout 1 s)."""
+    import threading
+
+    import extproc.config as config_module
+    import extproc.xds as xds_module
+
+    threads: dict[str, int] = {}
+    real_render, real_load = xds_module.render, config_module.load_policy
+
+    def render(*args, **kwargs):
+        threads["render"] = threading.get_ident()
+        return real_render(*args, **kwargs)
+
+    def load(*args, **kwargs):
+        threads["read"] = threading.get_ident()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(xds_module, "render", render)
+    monkeypatch.setattr("extproc.reload.load_policy", load)
+    gw = Gateway(real_load(policy_file))
+    w = PolicyWatcher(policy_file, gw, xds_out=tmp_path / "envoy", xds_dir="/etc/envoy")
+    write_policy(policy_file, TWO)
+    result = await w.reload_async("sighup")
+    assert result.ok and any("re-rendered" in c for c in result.changes), result
+    assert addresses(gw) == ["10.0.0.1:8000", "10.0.0.3:8000"]
+    loop_thread = threading.get_ident()
+    assert threads["read"] != loop_thread and threads["render"] != loop_thread, threads

@@ -1,0 +1,37 @@
+"""The published results block (README.md, docs/benchmarks.md) is generated from a run's JSON, never typed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import report
+
+RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "scenarios.json"
+
+
+def test_results_block_is_replaced_between_markers_and_names_the_run(tmp_path: Path) -> None:
+    result = json.loads(RUN.read_text())
+    page = tmp_path / "page.md"
+    page.write_text(f"# Title\n\nbefore\n\n{report.RESULTS_BEGIN}\nstale numbers\n{report.RESULTS_END}\n\nafter\n")
+    assert report.update_results_block(result, page)
+    text = page.read_text()
+    assert "stale numbers" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith("\n\nafter\n")
+    assert f"at commit `{result['_meta']['commit']}`" in text
+    for sid in (k for k in result if not k.startswith("_")):
+        assert f"\n| {sid} | " in text, sid
+    assert report.update_results_block(result, page) and page.read_text() == text  # idempotent
+
+
+def test_a_page_without_markers_is_left_alone(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("no markers here\n")
+    assert not report.update_results_block({"_meta": {}}, page)
+    assert page.read_text() == "no markers here\n"
+
+
+def test_the_published_pages_carry_the_markers() -> None:
+    root = RUN.parents[2]
+    for name in ("README.md", "docs/benchmarks.md"):
+        text = (root / name).read_text()
+        assert text.count(report.RESULTS_BEGIN) == 1 and text.count(report.RESULTS_END) == 1, name
