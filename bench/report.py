@@ -140,8 +140,11 @@ def scenario_section(sc: Scenario, by_system: dict[str, dict[str, Any]], meta: d
     doc = sc.describe()
     ts = sc.time_scale
     policy = (meta.get("sluice_policy") or {}).get(sid)
+    replicas = (meta.get("replicas") or {}).get(sid, sc.replicas)
+    pool = ("real vLLM-CPU engines (`--backend vllm-cpu`)" if meta.get("backend") == "vllm-cpu"
+            else f"`{sc.preset}` simulator")
     parts = [f"{heading} {sid}: {sc.title}", "", doc, "",
-             f"Replicas: {sc.replicas} x `{sc.preset}` simulator, time_scale {ts:g} "
+             f"Replicas: {replicas} x {pool}, time_scale {ts:g} "
              f"(time metrics in scenario seconds = wall x {ts:g}).", ""]
     if policy is not None:
         parts += [f"Sluice's additions to its shipped defaults (`_meta.sluice_policy`): `{json.dumps(policy)}`", ""]

@@ -102,6 +102,9 @@ def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_
         budgets = data.setdefault("budgets", {})
         budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
     policy = with_free_ports(policy_from_dict(data))
+    if backend is not None and backend.real:  # the engines' own ports, not fresh ones
+        policy.pools = [dataclasses.replace(policy.pools[0], replicas=list(data["pools"][0]["replicas"])),
+                        *policy.pools[1:]]
     baseline = baseline_options(sc) if system == "envoy-tuned" else None
     return Stack(policy, run_dir=run_dir, mode=system, baseline=baseline)
 
@@ -512,13 +515,20 @@ def finished(run: RunData, info: dict[str, Any], t_start: float) -> tuple[RunDat
 # ---- all runs ---------------------------------------------------------------------------------------------------
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
-                  verbose: bool = True, command: str = "", backend: Backend | None = None) -> dict[str, Any]:
+                  verbose: bool = True, command: str = "", backend: Backend | None = None,
+                  replicas: int | None = None, json_path: Path | None = None) -> dict[str, Any]:
+    """Every scenario x system. `replicas` runs each scenario on a pool of that size (rates that follow the pool
+    scale with it); a real backend's pool is its engines (`backend.pool_size`). `json_path` is rewritten after
+    every scenario, so a run cut short keeps the scenarios it finished."""
     from bench import report
 
     backend = backend or SimBackend()
     scenarios = [n for n in names if isinstance(n, Scenario)]
     scenarios += get_scenarios([n for n in names if isinstance(n, str)]) if any(isinstance(n, str) for n in names) \
         else []
+    pool = replicas or backend.pool_size
+    if pool:
+        scenarios = [sc if sc.replicas == pool else sc.with_replicas(pool) for sc in scenarios]
     need_nofile = max([s.nofile for s in scenarios] + [4096])
     raise_nofile(need_nofile)
     out: dict[str, Any] = {}
@@ -526,7 +536,8 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
-                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {}}
+                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {},
+                            "replicas": {sc.id: sc.replicas for sc in scenarios}}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:
@@ -589,6 +600,9 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             print(f"{sc.id} reproduced on {judge}: {'yes' if ok else ('not run' if ok is None else 'no')}"
                   f" ({why})", flush=True)
             report.write_scenario(sc, out[sc.id], meta, results_dir)
+            if json_path is not None:
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps({**out, "_meta": meta}, indent=2))
     finally:
         backend.close()
         if not keep_runs:
@@ -622,6 +636,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
     parser.add_argument("--backend", default="sim", choices=("sim", "vllm-cpu"),
                         help="the replicas: simulators (default) or two real vLLM-CPU engines, one per core")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="run every scenario on a pool of this many replicas (default: the scenario's own; "
+                             "vllm-cpu: its two engines)")
     parser.add_argument("--vllm", default=None, help="the vllm-cpu venv (default: bench/vllm_cpu.py's VENV)")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -639,7 +656,8 @@ def main(argv: list[str]) -> int:
     backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv), backend=backend)
+                           command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas,
+                           json_path=Path(args.json) if args.json else None)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -647,7 +665,7 @@ def main(argv: list[str]) -> int:
     summary = args.summary
     if summary is None:
         complete = (set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
-                    and args.backend == "sim")
+                    and args.backend == "sim" and args.replicas is None)
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)

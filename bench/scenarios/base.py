@@ -15,6 +15,8 @@ sidecar) runs in wall time; headers sent to it carry wall seconds.
 
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
@@ -422,6 +424,13 @@ class Scenario:
         policy = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.sluice_facts.items()}
         policy.setdefault("admission", {})["ttft_target_s"] = float(self.slo_ttft_s)
         return policy
+
+    def with_replicas(self, n: int) -> "Scenario":
+        """The scenario on a pool of `n` replicas (two real engines fill this machine): a copy whose rates
+        follow `self.replicas` wherever the scenario derives them from the pool's size."""
+        other = copy.copy(self)
+        other.replicas = n
+        return other
 
     def call_class(self, call: Call, run: RunData) -> str:
         """The class a user-level call belongs to in `class_slo_goodput` (default: its arrival kind)."""

@@ -14,7 +14,9 @@ Envoy worker thread (`gateway.envoy_concurrency: 1`, every system) so round robi
 Nginx worker; with two workers the pattern is the same with noise.
 
 The pool as a whole has headroom (0.6), but round robin gives replica 0 every long-context request: about
-twice what that replica can serve.
+twice what that replica can serve. On a pool of two (the real engines, `--backend vllm-cpu`, or `--replicas 2`)
+the period follows the pool (`period_s`) and round robin gives replica 0 the long-context and long-generation
+requests, replica 1 the short and tiny ones: the same imbalance, half as steep.
 
 SLO: the first token within `slo_ttft_s(0.5 s)` (5x the TTFT alone of the largest prompt, rounded up: 3 s at
 the calibrated preset) of the user's first send (retries included) and the response completed.
@@ -40,7 +42,15 @@ TYPES = (("long-context", LONG_PROMPT, LONG_OUT), ("short", 300, 16), ("long-gen
          ("tiny", 60, 4))
 KV_BLOCKS = blocks_for_tokens(_BASE, 8 * (LONG_PROMPT + LONG_OUT))
 SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
-PERIOD = round(1.0 / (0.6 * 4 * mix_capacity_rps(_BASE, [(1.0, p, o) for _k, p, o in TYPES])), 4)
+LOAD = 0.6  # of the pool's compute capacity for the mix
+
+
+def period_s(replicas: int) -> float:
+    """Seconds between requests: the pool (`replicas` x one replica's capacity for the mix) at LOAD."""
+    return round(1.0 / (LOAD * replicas * mix_capacity_rps(_BASE, [(1.0, p, o) for _k, p, o in TYPES])), 4)
+
+
+PERIOD = period_s(4)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG_PROMPT))
 
 
@@ -72,7 +82,7 @@ class S(Scenario):
             kind, prompt, out = TYPES[i % 4]
             arrivals.append(Arrival(at=t, body=chat(prompt, out, salt=i), kind=kind))
             i += 1
-            t += PERIOD
+            t += period_s(self.replicas)
         return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:

@@ -5,7 +5,8 @@ output tokens at a third of the pool's capacity for them (`3 x capacity_rps(500,
 requests/s at the calibrated tiny-cpu; seeded Poisson). At t=3 s replica 0 turns half-dead: the `slow` fault
 makes every engine step 20x longer (its third of the load becomes 6.7x what it can serve: TTFT from tens of ms
 to seconds and growing) while its /health keeps answering 200 and it keeps accepting connections. Clients
-wait up to 30x the SLO (15 s).
+wait up to 30x the SLO (15 s). On a pool of two (the real engines, `--backend vllm-cpu`, or `--replicas 2`) the
+rate follows the pool (`rate_rps`: a third of its capacity) and the sick replica gets half of it under round robin.
 
 SLO: the first token within `slo_ttft_s(ttft_alone(500))` (5x the TTFT on an idle replica, at least 0.5 s,
 rounded up: 0.5 s at the calibrated preset) of the user's first send (retries included) and the response
@@ -34,7 +35,14 @@ from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workloa
 SLOW = 20.0
 PROMPT, OUT = 500, 32
 SPEC = EngineSpec.of("tiny-cpu")
-RATE = pool_rps(SPEC, 3, PROMPT, OUT) / 3
+LOAD = 1 / 3  # of the pool's capacity
+
+
+def rate_rps(replicas: int) -> float:
+    return LOAD * pool_rps(SPEC, replicas, PROMPT, OUT)
+
+
+RATE = rate_rps(3)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
 CLIENT_TIMEOUT_S = 30 * SLO_TTFT_S
 
@@ -71,7 +79,7 @@ class S(Scenario):
             arrivals.append(Arrival(at=t, body=chat(PROMPT, OUT, salt=n), kind="user",
                                     client=ClientSpec(timeout_s=CLIENT_TIMEOUT_S)))
             n += 1
-            t += rng.expovariate(RATE)
+            t += rng.expovariate(rate_rps(self.replicas))
         return Workload(arrivals=arrivals, duration=duration, drain=3.0, faults=[Fault(t_fault, 0, "slow", SLOW)])
 
     def call_class(self, call: Call, run: RunData) -> str:

@@ -47,10 +47,10 @@ import functools
 import random
 from typing import Any
 
-from bench.capacity import EngineSpec, blocks_for_tokens, capacity_rps, slo_ttft_s
+from bench.capacity import EngineSpec, blocks_for_tokens, capacity_rps, drive, slo_ttft_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of
-from extproc.sim.engine import Engine, Request, block_hashes
+from extproc.sim.engine import Request, block_hashes
 from extproc.sim.tokenizer import chat_prompt
 
 APPS = 6
@@ -146,25 +146,13 @@ def plan(quick: bool) -> dict[str, Any]:
     eng = _BASE.engine()
     warm = Request("warm", largest + QUESTION, 1, hashes=tuple(range(1, (largest + QUESTION) // 128 + 1)))
     eng.add(warm, 0.0)
-    _drive(eng)
+    drive(eng)
     t0 = eng.clock
     hit = Request("hit", largest + QUESTION, 1, hashes=warm.hashes)
     eng.add(hit, t0)
-    _drive(eng)
+    drive(eng)
     cached_ttft = hit.first_token_at - t0
     return {"duration": duration, "rate": rate, "slo": slo_ttft_s(cached_ttft)}
-
-
-def _drive(engine: Engine) -> None:
-    while engine.has_work():
-        step = engine.schedule()
-        if step is None:
-            nxt = engine.next_ready_time()
-            if nxt is None or nxt <= engine.clock:
-                break
-            engine.clock = nxt
-            continue
-        engine.complete(step)
 
 
 def _arrivals(quick: bool) -> tuple[list[Arrival], list[tuple[int, dict[str, Any]]]]:

@@ -108,6 +108,17 @@ def test_p4_ghost_tokens_count_the_replicas_ghost_and_late_tokens():
     assert sc.reproduced(m)[0] and not sc.reproduced({**m, "ghost_tokens_per_cancel": 0.5})[0]
 
 
+def test_p4_ghost_tokens_on_real_engines_are_generated_minus_read_in_time():
+    [sc] = get_scenarios(["P4"])
+    run = RunData(scenario="P4", system="envoy-rr", time_scale=1.0, replicas=["a", "b"], duration=10.0)
+    run.extra["backend"] = "vllm-cpu"
+    run.sim_final = {"a": {"counters": {"generation_tokens": 300}}, "b": {"counters": {"generation_tokens": 200}}}
+    run.records = [rec(user=0, timed_out=True, tokens=10, late_tokens=90), rec(user=1, cancelled=True, tokens=5),
+                   rec(user=2, status=200, done=True, tokens=100, completion_tokens=120)]
+    m = sc.metrics(run)
+    assert m["ghost_tokens"] == 500 - 10 - 5 - 120 and m["ghost_tokens_per_cancel"] == 182.5
+
+
 def test_sdk_retry_rules_follow_the_openai_sdk():
     assert sdk_should_retry(rec(status=503))
     assert sdk_should_retry(rec(status=429))

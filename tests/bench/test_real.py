@@ -1,0 +1,65 @@
+"""The real-engine results: batches merge into one file, the sim-vs-real table flags a disagreement, and issue
+16's bars judge the 2x margin and the goodput floor."""
+
+from pathlib import Path
+
+from bench.bars import real_bars
+from bench.real import BEGIN, END, comparison, merge, winner, write_docs
+
+
+def _run(sid: str, commit: str, rows: dict) -> dict:
+    return {sid: rows, "_meta": {"command": f"sluice bench run {sid}", "commit": commit, "date": "d",
+                                 "runs": {sid: {"sluice": {"wall_s": 10.0}}}, "reproduced": {sid: True},
+                                 "systems": ["sluice"], "backend": "vllm-cpu"}}
+
+
+def test_merge_keeps_each_scenarios_meta_and_names_the_commits():
+    a = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}})
+    b = _run("P9", "abc", {"sluice": {"preemptions": 0.0}})
+    c = _run("P3", "def", {"sluice": {"hol_slowdown": 2.0}})  # a rerun replaces the earlier P3
+    merged = merge([a, b])
+    assert merged["_meta"]["commit"] == "abc" and merged["_meta"]["reproduced"] == {"P3": True, "P9": True}
+    assert merged["_meta"]["measured"]["P9"]["command"] == "sluice bench run P9"
+    assert merged["_meta"]["wall_s"] == 20.0
+    again = merge([a, b, c])
+    assert again["P3"]["sluice"]["hol_slowdown"] == 2.0 and again["_meta"]["commit"] == "abc,def"
+
+
+def test_winner_and_comparison_flag_where_simulator_and_engine_disagree():
+    real = {"P3": {"sluice": {"hol_slowdown": 3.0, "slo_goodput_rps": 2.0},
+                   "envoy-rr": {"hol_slowdown": 3.5, "slo_goodput_rps": 2.5},
+                   "smg": {"hol_slowdown": 2.5, "slo_goodput_rps": 1.0}}}
+    sim = {"P3": {"sluice": {"hol_slowdown": 1.2, "slo_goodput_rps": 5.0},
+                  "envoy-rr": {"hol_slowdown": 28.0, "slo_goodput_rps": 4.0}}}
+    assert winner(real["P3"], "hol_slowdown", "lower") == ("baseline", 3.0, 2.5)
+    assert winner(sim["P3"], "hol_slowdown", "lower") == ("sluice", 1.2, 28.0)
+    assert winner(real["P3"], "slo_goodput_rps", "higher") == ("baseline", 2.0, 2.5)
+    assert winner(real["P3"], "short_ttft_p95_s", "lower")[0] is None  # not measured
+    table = comparison(real, sim)
+    row = next(ln for ln in table.splitlines() if "`hol_slowdown`" in ln)
+    assert row.endswith("| **no** |") and "3 vs 2.5: baseline" in row and "1.2 vs 28: sluice" in row
+
+
+def test_real_bars_need_twice_better_and_no_goodput_loss():
+    results = {
+        "P3": {"sluice": {"hol_slowdown": 1.5, "slo_goodput_rps": 3.0},
+               "envoy-rr": {"hol_slowdown": 4.0, "slo_goodput_rps": 3.0}, "smg": {"hol_slowdown": 3.0}},
+        "P7": {"sluice": {"ttft_p95_s": 1.0, "slo_goodput_rps": 2.0},
+               "envoy-tuned": {"ttft_p95_s": 1.5, "slo_goodput_rps": 2.5}},
+        "P9": {"sluice": {"preemptions": 0.0, "slo_goodput_rps": 1.0},
+               "envoy-rr": {"preemptions": 0.0, "slo_goodput_rps": 1.0}},
+    }
+    v = {(sid, text.split(" ")[2]): ok for sid, text, ok, _m in real_bars(results)}
+    assert v[("P3", "beats")] is True and v[("P3", "not")] is True          # 1.5 x 2 <= 3 (smg); 3 >= 3
+    assert v[("P7", "beats")] is False and v[("P7", "not")] is False
+    assert v[("P9", "beats")] is False                                      # 0 vs 0 beats nothing
+    assert v[("PX", "beats")] is None                                       # not run
+
+
+def test_docs_section_is_replaced_between_its_markers(tmp_path: Path):
+    page = tmp_path / "b.md"
+    page.write_text("# B\n\nintro\n")
+    write_docs(page, f"{BEGIN}\none\n{END}")
+    write_docs(page, f"{BEGIN}\ntwo\n{END}")
+    text = page.read_text()
+    assert text.count(BEGIN) == 1 and "two" in text and "one" not in text and text.startswith("# B\n\nintro")
