@@ -700,6 +700,7 @@ class Scraper:
         engine.scrape_failures += 1
         if timed_out:
             engine.scrape_timeouts += 1
+            t.metrics.timeouts.inc()
         else:
             t.unanswered = True
         t.metrics.failures.inc()

@@ -159,6 +159,7 @@ async def test_timeout_is_a_failure_and_the_old_state_goes_stale(replicas):
         assert not scraper.is_fresh(r, scraped_at + 0.3)
         assert scraper.is_fresh(r, scraped_at + 0.2)
         assert sample("sluice_scrape_failures_total", pool, fake.address) == 1.0
+        assert sample("sluice_scrape_timeouts_total", pool, fake.address) == 1.0
         fake.mode = "ok"
         fake.release.set()
         assert await scraper.scrape_once() == 1
@@ -182,6 +183,7 @@ async def test_connection_refused_counts_failures_until_the_replica_comes_back(r
         assert await scraper.scrape_once() == 1
         assert r.engine.scrape_failures == 0 and scraper.is_fresh(r)
         assert sample("sluice_scrape_failures_total", pool, fake.address) == 2.0
+        assert not sample("sluice_scrape_timeouts_total", pool, fake.address)
     finally:
         await scraper.stop()
 
