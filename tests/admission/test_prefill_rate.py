@@ -139,3 +139,20 @@ def test_a_replica_back_from_an_outage_keeps_its_learned_speed():
     scrape(rs, 1.7, 5_100, waiting=2)    # 500 tokens/s: the sick replica's measurement is not taken
     pr.update(rs, 1.7)
     assert pr.seen[rs[0].address].rate > 14_000
+
+
+def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=3)
+    pr.update(rs, 1.0)
+    for k in range(1, 6):  # two engines prefill 15,000/s, one (half-dead, still HEALTHY) 750/s
+        for r, speed in zip(rs, (15_000, 15_000, 750)):
+            r.on_scrape(ScrapedState(scraped_at=1.0 + 0.2 * k, waiting=3, prompt_tokens_total=speed * 0.2 * k))
+        pace = pr.update(rs, 1.0 + 0.2 * k)
+    assert pr._relaxed(pr.seen[rs[2].address], 2.0) < 3_000       # it did learn the sick engine's speed
+    assert pace > 14_000                                           # the pool goes at its healthy replicas' pace
+    for k in range(1, 8):                                          # all slow together: that is the pool's pace
+        for r, total in ((rs[0], 15_000 + 150 * k), (rs[1], 15_000 + 150 * k), (rs[2], 750 + 150 * k)):
+            r.on_scrape(ScrapedState(scraped_at=2.0 + 0.2 * k, waiting=3, prompt_tokens_total=total))
+        pace = pr.update(rs, 2.0 + 0.2 * k)
+    assert pace < 3_000
