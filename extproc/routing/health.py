@@ -15,7 +15,7 @@
     HEALTHY -> RECOVERING when the engine restarted (a counter went down): a cold replica ramps up too.
     Any state -> EJECTED after `scrape_failures_ejected` consecutive failed scrapes (unreachable).
 
-Signals (first that fires is the reason code). "The others" are the pool's other HEALTHY replicas: a busy pool
+Signals (first that fires is the reason code). "The others" are the pool's other HEALTHY replicas unless said: a busy pool
 slows every replica together, and only a replica worse than its peers is sick (issue 16: busy engines were read
 as dead).
   unreachable   consecutive failed scrapes that say the replica is not there >= scrape_failures_degraded
@@ -28,15 +28,19 @@ as dead).
   ttft_p95      windowed p95 TTFT > the TTFT bar, with >= min_samples first tokens in the window:
                     bar = min(ttft_p95_degraded_s, max(SLO, degraded_vs_pool x median p95 of the others))
                 (only ttft_p95_degraded_s when no other replica has min_samples first tokens, or no SLO is known;
-                SLO = admission.ttft_target_s)
+                SLO = admission.ttft_target_s), unless the replica keeps pace: it completed >= 1 / degraded_vs_pool
+                of the median of its serving peers' completions over the last tps_min_span_s (Envoy's access log;
+                the peers' median >= error_min_samples). Saturated engines' TTFTs spread widely while they all
+                complete requests; a sick one falls behind in completions too.
   tps_collapse  generated tokens/s per running request (window mean) < tps_floor_per_request, while the window's
                 mean requests in the engine >= tps_min_busy, requests are in the engine now, the window spans
                 >= tps_min_span_s, and the access log shows no request answered by it within that span (vLLM
                 refreshes its counters in lumps seconds apart: a flat counter alone may be a late lump; a hung
                 engine answers nothing)
   error_rate    (failed + timeout) / finished requests from Envoy's access log over error_window_s >
-                error_rate_degraded + the others' rate, with >= error_min_samples (cancelled: the client's doing,
-                not counted; timeouts that hit every replica alike are the load's, not one replica's)
+                error_rate_degraded + the pooled rate of the other serving (not ejected) replicas, with
+                >= error_min_samples (cancelled: the client's doing, not counted; timeouts that hit every replica
+                alike are the load's, not one replica's, even while a peer is degraded)
 EJECTED and RECOVERING replicas carry little traffic, so they are judged with `probe_min_samples`; RECOVERING
 relapses at relapse_factor x the TTFT bar. Slow start follows the replica's own first tokens (P6): once per
 slow_start_step_s it goes one step up when the p95 TTFT of that step's first tokens is within
@@ -124,6 +128,10 @@ class _Outcomes:
             errors += e
         return total, errors
 
+    def completed_since(self, since: float) -> int:
+        """Requests finished without error in the whole seconds from `since` on."""
+        return sum(n - e for sec, n, e in self.buckets if sec >= since)
+
 
 class _Track:
     """What the tracker remembers about one replica beyond `Replica.state`."""
@@ -158,6 +166,7 @@ class HealthTracker:
         # per round: each replica's reference among the others (median p95 TTFT; pooled error rate)
         self._ref_ttft: dict[str, float] = {}
         self._ref_errors: dict[str, float] = {}
+        self._ref_pace: dict[str, float] = {}
         self._all_gauge = rm.pool_all_degraded(pool.model)
         self._all_gauge.set(0)
         for r in pool.replicas:
@@ -243,25 +252,45 @@ class HealthTracker:
     # ---- the pool as reference ------------------------------------------------------------------------------
     def _references(self, now: float) -> None:
         """Each replica's reference among the others, for this round: the median windowed p95 TTFT of the other
-        HEALTHY replicas with >= min_samples first tokens, and the pooled error rate of the other HEALTHY
-        replicas when they finished >= error_min_samples requests (absent: no reference)."""
+        HEALTHY replicas with >= min_samples first tokens; the pooled error rate of the other serving (not
+        ejected) replicas when they finished >= error_min_samples requests; the median of the requests the other
+        serving replicas completed over the last tps_min_span_s (its pace). Absent: no reference."""
         p = self.policy
-        healthy = [r for r in self.pool.replicas if r.state == HEALTHY and not r.draining]
+        active = [r for r in self.pool.replicas if not r.draining]
+        healthy = [r for r in active if r.state == HEALTHY]
+        serving = [r for r in active if r.state != EJECTED]
         ttfts = sorted(r.engine.ttft_p95_s for r in healthy if r.engine.ttft_count_window >= p.min_samples)
-        counts = {r.address: self._track(r).outcomes.counts(now) for r in healthy}
+        counts = {r.address: self._track(r).outcomes.counts(now) for r in serving}
+        since = now - p.tps_min_span_s
+        paces = {r.address: float(self._track(r).outcomes.completed_since(since)) for r in serving}
+        ordered_paces = sorted(paces.values())
         total = sum(c[0] for c in counts.values())
         errors = sum(c[1] for c in counts.values())
         self._ref_ttft.clear()
         self._ref_errors.clear()
+        self._ref_pace.clear()
         for r in self.pool.replicas:
-            own = (r.engine.ttft_p95_s if r.address in counts and r.engine.ttft_count_window >= p.min_samples
-                   else None)
-            ref = _median_without(ttfts, own)
+            healthy_own = r.state == HEALTHY and not r.draining and r.engine.ttft_count_window >= p.min_samples
+            ref = _median_without(ttfts, r.engine.ttft_p95_s if healthy_own else None)
             if ref is not None:
                 self._ref_ttft[r.address] = ref
             n, e = counts.get(r.address, (0, 0))
             if total - n >= p.error_min_samples:
                 self._ref_errors[r.address] = (errors - e) / (total - n)
+            pace = _median_without(ordered_paces, paces.get(r.address))
+            if pace is not None:
+                self._ref_pace[r.address] = pace
+
+    def keeps_pace(self, r: Replica, now: float) -> bool:
+        """Does `r` complete requests at >= 1 / degraded_vs_pool of its peers' median pace (>= error_min_samples
+        of theirs over the last tps_min_span_s)? Then a high TTFT is the pool's load, not a sick replica: two
+        saturated real engines' p95 TTFT differed by 5x while they completed 307 and 351 requests (issue 16)."""
+        p = self.policy
+        ref = self._ref_pace.get(r.address)
+        if ref is None or ref < p.error_min_samples:
+            return False
+        own = self._track(r).outcomes.completed_since(now - p.tps_min_span_s)
+        return own * p.degraded_vs_pool >= ref
 
     def ttft_bar(self, r: Replica) -> float:
         """The p95 TTFT above which `r` is sick: ttft_p95_degraded_s, or less when its peers are much faster
@@ -292,11 +321,13 @@ class HealthTracker:
 
     # ---- evaluation -----------------------------------------------------------------------------------------
     def _assess(self, r: Replica, tr: _Track, now: float, min_samples: int, min_finished: int,
-                ttft_limit: float) -> tuple[str, str] | None:
-        """The first business signal that is bad, as (reason code, detail), or None."""
+                ttft_limit: float, pace: bool = False) -> tuple[str, str] | None:
+        """The first business signal that is bad, as (reason code, detail), or None. `pace`: a high TTFT counts
+        only when the replica also falls behind its peers' completions (`keeps_pace`)."""
         p = self.policy
         e = r.engine
-        if e.ttft_count_window >= min_samples and e.ttft_p95_s > ttft_limit:
+        if (e.ttft_count_window >= min_samples and e.ttft_p95_s > ttft_limit
+                and not (pace and self.keeps_pace(r, now))):
             ref = self._ref_ttft.get(r.address)
             peers = f"; the others' median {ref:.3g}s" if ref is not None else ""
             return TTFT, (f"p95 TTFT {e.ttft_p95_s:.3g}s > {ttft_limit:.3g}s over "
@@ -325,7 +356,7 @@ class HealthTracker:
 
     def _assess_normal(self, r: Replica, tr: _Track, now: float) -> tuple[str, str] | None:
         p = self.policy
-        return self._assess(r, tr, now, p.min_samples, p.error_min_samples, self.ttft_bar(r))
+        return self._assess(r, tr, now, p.min_samples, p.error_min_samples, self.ttft_bar(r), pace=True)
 
     def _evaluate(self, r: Replica, tr: _Track, now: float) -> None:
         p = self.policy

@@ -634,6 +634,58 @@ def test_error_rate_is_judged_against_the_others():
     assert a.state_reason.startswith("error_rate") and "+ the others' 30%" in a.state_reason
 
 
+def complete(tr: HealthTracker, r: Replica, n: int, at: float, outcome: str = "completed") -> None:
+    for _ in range(n):
+        tr.on_outcome(r.address, outcome, at)
+
+
+def test_a_high_ttft_while_it_keeps_pace_with_its_peers_is_load_not_sickness():
+    """Two saturated real engines: p95 TTFT 4.86 s against the other's 0.98 s while both completed requests
+    (307 and 351 over the burst). A replica that falls behind its peers' completions as well is sick (P8)."""
+    pool, tr = make(2, slo=2.0, ttft_p95_degraded_s=15.0, tps_min_span_s=3.0)
+    a, b = pool.replicas
+    for t in range(1, 8):
+        complete(tr, a, 5, t)                 # 5 and 6 completed a second: the same pace
+        complete(tr, b, 6, t)
+        if t < 3:
+            continue                          # (the pace is judged over 3 s)
+        scrape(a, t + 0.5, ttft=4.86)
+        scrape(b, t + 0.5, ttft=0.98)
+        tr.on_scrape_round(t + 0.5)
+        assert (a.state, b.state) == (HEALTHY, HEALTHY), a.state_reason
+    for t in range(8, 12):
+        complete(tr, a, 1, t)                 # now it falls behind: 1 against 6 a second
+        complete(tr, b, 6, t)
+        scrape(a, t + 0.5, ttft=4.86)
+        scrape(b, t + 0.5, ttft=0.98)
+        tr.on_scrape_round(t + 0.5)
+    assert (a.state, b.state) == (DEGRADED, HEALTHY)
+    assert a.state_reason.startswith("ttft_p95")
+
+
+def test_errors_that_hit_a_degraded_peer_as_well_are_the_load():
+    """Real engines, saturated: one replica degraded, then the other saw 8 of 28 requests fail while every
+    replica failed alike. A degraded peer is still a reference for the error rate."""
+    pool, tr = make(2, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b = pool.replicas
+    scrape(a, 1.0, ttft=5.0)
+    scrape(b, 1.0, ttft=0.5)
+    tr.on_scrape_round(1.0)
+    assert a.state == DEGRADED
+    complete(tr, a, 20, 2.0)
+    complete(tr, a, 8, 2.0, "failed")
+    complete(tr, b, 20, 2.0)
+    complete(tr, b, 8, 2.0, "failed")
+    scrape(a, 2.5, ttft=5.0)
+    scrape(b, 2.5, ttft=0.5)
+    tr.on_scrape_round(2.5)
+    assert b.state == HEALTHY, b.state_reason
+    complete(tr, b, 30, 3.0, "failed")        # failing alone: sick
+    scrape(b, 3.5, ttft=0.5)
+    tr.on_scrape_round(3.5)
+    assert b.state == DEGRADED and b.state_reason.startswith("error_rate")
+
+
 # ---- slow to report is not dead (issue 16) ------------------------------------------------------------------
 
 def test_scrape_timeouts_while_it_completes_requests_never_take_a_replica_out():
