@@ -267,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
-    report = run(args)
+    from bench.report import git_commit
+
+    report = {"command": "python -m bench.health_real " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "commit": git_commit(), **run(args)}
+    print(f"commit {report['commit']}: {report['command']}")
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
