@@ -58,6 +58,7 @@ class Fleet:
                        else HealthTracker(pool, self.routing.health) for name, pool in pools.items()}
         for tracker in self.health.values():
             tracker.policy = self.routing.health
+            tracker.slo_ttft_s = self.admission.ttft_target_s  # replicas are judged against the user's SLO
         self.placers = {name: self._placer(pool) for name, pool in pools.items()}
         self.schedulers = {name: Scheduler(pool, self.admission, self.placers[name]) for name, pool in pools.items()}
         self.by_cluster = {pool.cluster: pool for pool in pools.values()}
@@ -117,9 +118,12 @@ class Fleet:
         pool = self.by_cluster.get(entry.common_properties.upstream_cluster)
         if pool is None or not self.routing.health.enabled:
             return
-        sock = entry.common_properties.upstream_remote_address.socket_address
+        common = entry.common_properties
+        sock = common.upstream_remote_address.socket_address
         if sock.address:
-            self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome)
+            # a first byte from the replica says it was serving, even when the client left (busy is not dead)
+            answered = common.HasField("time_to_first_upstream_rx_byte")
+            self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome, answered=answered)
 
     def kick_all(self) -> None:
         """Capacity may have changed (scrape, health, an operator's undrain): dispatch what now fits."""

@@ -10,7 +10,10 @@ A replica fits a request when, with the request added, it stays within every lim
           the client's time left (its own timeout header) when that is less: work the client will have
           abandoned is not sent (P4, P5)
   lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
-  fresh   its metrics are recent (stale metrics count as saturated)
+  fresh   its metrics are recent; a serving (healthy or recovering) replica whose metrics are stale but that was
+          scraped before is placed cautiously, at STALE_WEIGHT x its weight in every limit and the score (a busy
+          vLLM answers /metrics in seconds now and then; the sidecar's own accounting still holds), any other
+          replica with stale metrics counts as saturated
 Among fitting replicas the lowest score wins:
   score = predicted TTFT / TTFT target + kv_weight x KV fraction after placing + waiting_weight x engine waiting
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
@@ -43,7 +46,7 @@ from typing import Callable
 
 from extproc.admission.policy import AdmissionPolicy
 from extproc.request import LLMRequest
-from extproc.routing.pool import EJECTED, Pool, Replica
+from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
 WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
@@ -53,6 +56,7 @@ MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants 
 DEADLINE_SHARE = 0.75  # of the client's time left, the most a predicted first token (or answer) may take: the
                        # prediction counts prefill only, and decode steps sharing the engine lengthen it (P5)
 MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
+STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
 NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
@@ -110,6 +114,21 @@ class Placer:
     def predicted_ttft_s(self, r: Replica, prompt_tokens: int, now: float) -> float:
         return (self.backlog(r, now) + prompt_tokens) / self.rate
 
+    def weight(self, r: Replica, now: float) -> float:
+        """The share of a routable replica's capacity placement may use now: its health weight, x STALE_WEIGHT
+        while its metrics are stale; 0 when it may not be used (stale and never scraped, or stale while not
+        serving: a degraded replica that stopped answering is not placed on blind)."""
+        w = r.weight or 0.1
+        if self.is_fresh is None or self.is_fresh(r, now):
+            return w
+        if r.engine.scraped_at > 0 and (r.state == HEALTHY or r.state == RECOVERING):
+            return w * STALE_WEIGHT
+        return 0.0
+
+    def usable(self, r: Replica, now: float) -> bool:
+        """Routable, and its metrics allow placing on it (see `weight`)."""
+        return r.routable and self.weight(r, now) > 0
+
     def max_footprint(self) -> float:
         """The largest footprint any replica could ever hold (for "can never fit")."""
         caps = [r.kv_capacity_tokens for r in self.pool.replicas if r.kv_capacity_tokens]
@@ -125,9 +144,9 @@ class Placer:
                     and self.allow_probe is not None and self.allow_probe(r, now)):
                 return NOT_ROUTABLE
             return None  # a probe: one request tells health whether the replica is back
-        if self.is_fresh is not None and not self.is_fresh(r, now):
+        w = self.weight(r, now)
+        if w <= 0:
             return STALE
-        w = r.weight or 0.1
         lane_set = self._lane_sets[lane]
         if lane_set and r.address not in lane_set:
             return LANE
@@ -226,9 +245,10 @@ class Placer:
         for bigger in self._confined_above[lane]:
             if r.lane_inflight[bigger]:
                 s += LANE_PENALTY
-        if r.weight < 1.0:
-            # P8: a degraded or recovering replica takes work only when the healthy ones are fuller.
-            s += WEIGHT_PENALTY * (1.0 - r.weight)
+        w = self.weight(r, now)
+        if w < 1.0:
+            # P8: a degraded, recovering or stale replica takes work only when the healthy ones are fuller.
+            s += WEIGHT_PENALTY * (1.0 - w)
         cap = r.kv_capacity_tokens
         if cap:
             s += pol.score_kv_weight * (r.kv_used_tokens() + req.total_tokens) / cap

@@ -26,12 +26,17 @@ ones, whose own speed was never seen), the configured speed stands. Nothing is m
 last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
 later, and would read as a burst of speed (measured in P2). It is never scaled up for smaller prompts:
 that is left to measurements and probes. The placer uses one speed for the pool, so the pool's is the slowest
-healthy replica's: the cautious choice when one replica holds a long prompt and the others do not.
+healthy replica's: the cautious choice when one replica holds a long prompt and the others do not (that is its
+size factor, below). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy peers' is
+left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8).
 Each replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes
-(the prompt mix may have changed); only healthy replicas count (a sick one's speed is health's business), a replica
-that leaves HEALTHY forgets what it learned (after an outage the old speed let the recovered engines' queues
-overflow: measured in P6), and
-it stays within a factor of the configured value so a bogus counter cannot open or close the gate entirely.
+(the prompt mix may have changed), and it stays within a factor of the configured value so a bogus counter cannot
+open or close the gate entirely. Only HEALTHY and RECOVERING replicas are measured (a sick one's speed is
+health's business) and only HEALTHY ones at full weight set the pool's speed; when none is (every replica back
+from an outage at once, P6) the recovering ones' speeds do. A replica keeps what it learned through an outage:
+the engine that comes back runs on the same hardware, and forgetting it put the gate back at the configured
+10,000 tokens/s against ~25,000 real while the backlog of the outage waited (P6: 2,350 prefill_backlog refusals
+with the replicas' KV near 5 %); slow start (health.py) backs off if it comes back slower.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from extproc.routing.pool import HEALTHY, Replica
+from extproc.routing.pool import HEALTHY, RECOVERING, Replica
 
 MIN_SPAN_S = 0.05     # shorter scrape intervals are too noisy to measure a rate over
 ALPHA = 0.5           # weight of a new measurement: a burst lasts about a second, the estimate must follow it
@@ -48,6 +53,8 @@ BOUND = 4.0           # the learned speed stays within [configured / BOUND, conf
 PROBE = 1.15          # upward probe per scrape while the engine keeps up with the gate without a queue
 KEEP_UP = 0.8         # ... "keeps up": it prefilled at least this share of the assumed speed
 MAX_STEP = 1.5        # no scrape raises an estimate by more than this factor
+OUTLIER = 3.0         # a healthy replica learned this many times slower than the median of its peers does not
+                      # pace the pool (the factor by which health judges a replica's TTFT against its peers)
 
 
 @dataclass(slots=True)
@@ -74,19 +81,23 @@ class PrefillRate:
     def update(self, replicas: list[Replica], now: float) -> float:
         """Take the new scrapes' measurements; return the pool's prefill speed now."""
         rates = []
+        recovering = []
         for r in replicas:
             s = self.seen.get(r.address)
             if s is None:
                 s = self.seen[r.address] = _Seen()
-            if r.state != HEALTHY:
-                s.rate = 0.0  # sick, ejected or restarting: its speed is learned again from the configured one (P6)
-            self._observe(s, r)
+            self._observe(s, r, learn=r.state == HEALTHY or r.state == RECOVERING)
             if r.state == HEALTHY and r.weight >= 1.0:
-                factor = self._size_factor(s, r)
-                rates.append(self._relaxed(s, now) * factor if factor > 0 else self.prior)
-        return min(rates) if rates else self.prior
+                rates.append((self._relaxed(s, now), self._speed(s, r, now)))
+            elif r.state == RECOVERING:
+                recovering.append(self._speed(s, r, now))
+        return min([speed for _, speed in _without_outliers(rates)] or recovering or [self.prior])
 
-    def _observe(self, s: _Seen, r: Replica) -> None:
+    def _speed(self, s: _Seen, r: Replica, now: float) -> float:
+        factor = self._size_factor(s, r)
+        return self._relaxed(s, now) * factor if factor > 0 else self.prior
+
+    def _observe(self, s: _Seen, r: Replica, learn: bool = True) -> None:
         e = r.engine
         at = e.scraped_at
         if at <= s.at:
@@ -94,7 +105,8 @@ class PrefillRate:
         total = getattr(e, "prompt_tokens_total", -1.0)
         span = at - s.at
         delta = total - s.total
-        if s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0 and _top_lane(r) < self.long_lane:
+        if (learn and s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0
+                and _top_lane(r) < self.long_lane):
             old = self._relaxed(s, at)
             meas = delta / span
             if s.waiting > 0 and e.waiting > 0:  # saturated all along: the engine's speed
@@ -129,6 +141,23 @@ class PrefillRate:
         rate = self.prior + (s.rate - self.prior) * keep
         return min(self.prior * BOUND, max(self.prior / BOUND, rate))
 
+
+
+def _without_outliers(rates: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(learned rate, speed) of the healthy replicas, less those whose learned rate is under 1 / OUTLIER of the
+    median of the others': a replica that prefills several times slower than its peers is sick (health degrades
+    it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's gate to the sick
+    one's speed until then (P8: one engine 20x slower)."""
+    if len(rates) < 2:
+        return rates
+    kept = []
+    for i, (rate, speed) in enumerate(rates):
+        others = sorted(r for j, (r, _) in enumerate(rates) if j != i)
+        mid = len(others) // 2
+        median = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
+        if rate * OUTLIER >= median:
+            kept.append((rate, speed))
+    return kept
 
 
 def _mean_prompt(r: Replica) -> float:

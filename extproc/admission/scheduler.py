@@ -3,6 +3,7 @@ does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
 
     submit ─► never fits? ─► 400 context_length_exceeded
            ─► deadline already unmeetable? ─► 429 x-should-retry: false
+           ─► no replica routable at all (outage)? ─► 503 pool_unavailable, retry-after 1 s
            ─► nobody ahead and a replica fits ─► dispatched now
            ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
            ─► queued ─► dispatched by `kick` (on every release, scrape, health change, and a short timer)
@@ -31,6 +32,10 @@ from extproc.routing.pool import Pool, Replica
 # Queue only what is expected to start well within its wait budget: the drain-rate estimate is noisy, and a
 # request shed on arrival (milliseconds) is better for the client than one shed after a futile wait (P1).
 WAIT_SAFETY = 1.4
+# While no replica is routable (an outage), nothing is queued: each request is refused at once with this
+# retry-after, so a client's retry lands soon after the pool is back instead of the request waiting out the
+# outage in the queue and reaching a recovered replica too late for its SLO (P6).
+POOL_DOWN_RETRY_S = 1.0
 
 
 class Shed(Exception):
@@ -108,6 +113,10 @@ class Scheduler:
         rate = self.prefill.update(self.pool.replicas, now)
         self.placer.rate = rate
         self.m.prefill_rate(rate)
+        if self.queued_total() and self.pool_down():  # the pool just went down: nobody waits out the outage
+            for lane, w in self._take_queued():
+                self.m.shed(lane, "pool_down")
+                w.future.set_exception(self._pool_unavailable(""))
 
     def calibrate(self, req: LLMRequest) -> None:
         """Put the request's prompt estimate in the engines' units, before anything is decided from it."""
@@ -131,6 +140,9 @@ class Scheduler:
             raise Shed(429, "deadline_unmeetable",
                        "the gateway cannot start this request before the client's own timeout",
                        retry_after_s=self.retry_after(lane, now), should_retry=False)
+        if self.pool_down():
+            self.m.shed(lane, "pool_down")
+            raise self._pool_unavailable("")
         prio = self.prio_index.get(req.priority, 0)
         queue = self.queues[lane]
         self.placer.note_tenant(req.tenant, now)
@@ -273,14 +285,23 @@ class Scheduler:
 
     def _overload(self, lane: int, now: float, code: str, message: str) -> Shed:
         if not self.pool_up(now):
-            return Shed(503, "pool_unavailable", f"no replica of {self.pool.model} is available; " + message,
-                        retry_after_s=5.0, should_retry=True)
+            return self._pool_unavailable(message)
         return Shed(429, code, message + "; retry later", retry_after_s=self.retry_after(lane, now),
                     should_retry=True)
 
+    def _pool_unavailable(self, message: str) -> Shed:
+        return Shed(503, "pool_unavailable", f"no replica of {self.pool.model} is available"
+                    + (f"; {message}" if message else "; retry shortly"),
+                    retry_after_s=POOL_DOWN_RETRY_S, should_retry=True)
+
     def pool_up(self, now: float) -> bool:
-        fresh = self.placer.is_fresh
-        return any(r.routable and (fresh is None or fresh(r, now)) for r in self.pool.replicas)
+        """Some replica could take a request now (placement's view: routable and with usable metrics)."""
+        return any(self.placer.usable(r, now) for r in self.pool.replicas)
+
+    def pool_down(self) -> bool:
+        """No replica may take traffic at all (health: every one ejected or unreachable, or drained): waiting
+        cannot help."""
+        return not any(r.routable for r in self.pool.replicas)
 
     def retry_after(self, lane: int, now: float) -> float:
         """How long until the queue ahead would drain at the recent dispatch rate (0.2 s .. 60 s)."""

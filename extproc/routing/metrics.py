@@ -86,6 +86,12 @@ SCRAPE_FAILURES = Counter(
     "Failed replica scrapes (connection refused, timeout, non-200 status, page without engine metrics).",
     ["pool", "replica"],
 )
+SCRAPE_TIMEOUTS = Counter(
+    "sluice_scrape_timeouts_total",
+    "Failed replica scrapes that timed out (counted in sluice_scrape_failures_total too): a busy engine answers "
+    "late, a dead one not at all; health tells them apart by the requests the replica still answers.",
+    ["pool", "replica"],
+)
 POOL_ALL_DEGRADED = Gauge(
     "sluice_pool_all_degraded",
     "1 while no replica of the pool is healthy or recovering: the pool serves from its best degraded replica.",
@@ -97,7 +103,7 @@ class ReplicaMetrics:
     """The cached label children of one replica."""
 
     __slots__ = ("pool", "replica", "_state", "_current", "weight", "kv", "running", "waiting", "ttft", "tps",
-                 "age", "failures", "duration", "_transitions")
+                 "age", "failures", "timeouts", "duration", "_transitions")
 
     def __init__(self, pool: str, replica: str) -> None:
         self.pool, self.replica = pool, replica
@@ -111,6 +117,7 @@ class ReplicaMetrics:
         self.tps = REPLICA_GEN_TPS.labels(pool, replica)
         self.age = REPLICA_SCRAPE_AGE.labels(pool, replica)
         self.failures = SCRAPE_FAILURES.labels(pool, replica)
+        self.timeouts = SCRAPE_TIMEOUTS.labels(pool, replica)
         self.duration = SCRAPE_DURATION.labels(pool)
         self._transitions: dict[tuple[str, str, str], Counter] = {}
 
@@ -182,7 +189,7 @@ def forget_replica(pool: str, replica: str) -> None:
     if m is None:
         return
     for gauge in (REPLICA_WEIGHT, REPLICA_KV_USAGE, REPLICA_RUNNING, REPLICA_WAITING, REPLICA_TTFT_P95,
-                  REPLICA_GEN_TPS, REPLICA_SCRAPE_AGE, SCRAPE_FAILURES):
+                  REPLICA_GEN_TPS, REPLICA_SCRAPE_AGE, SCRAPE_FAILURES, SCRAPE_TIMEOUTS):
         try:
             gauge.remove(pool, replica)
         except KeyError:

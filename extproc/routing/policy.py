@@ -13,8 +13,12 @@ class HealthPolicy:
 
     enabled: bool = True              # false freezes every replica in its current state (weight untouched): health
                                       # from business signals off
-    ttft_p95_degraded_s: float = 15.0  # windowed p95 time to first token above this -> DEGRADED (PROBLEMS.md P8:
-                                       # 15 s)
+    ttft_p95_degraded_s: float = 15.0  # windowed p95 time to first token above this -> DEGRADED, whatever the
+                                       # other replicas do (PROBLEMS.md P8: 15 s); the only TTFT bar of a replica
+                                       # without peers to compare with
+    degraded_vs_pool: float = 3.0     # a replica is also DEGRADED when its p95 TTFT is above this x the median
+                                      # p95 of the pool's other healthy replicas AND above admission.ttft_target_s
+                                      # (the SLO): a busy pool slows every replica together, a sick one stands out
     min_samples: int = 10             # first tokens the window must hold before its p95 may degrade a HEALTHY
                                       # replica (a p95 of 2 samples says nothing)
     tps_floor_per_request: float = 2.0  # generated tokens/s per running request (window mean of running) below
@@ -27,12 +31,16 @@ class HealthPolicy:
                                       # judged (right after start or a restart the rate is noise)
     error_rate_degraded: float = 0.2  # share of failed + timed-out requests (Envoy access log outcomes; cancelled
                                       # ones are the client's doing and not counted) over `error_window_s` above
-                                      # this -> DEGRADED
+                                      # this + the pool's other healthy replicas' share -> DEGRADED
     error_min_samples: int = 10       # finished requests the error window must hold before the rate is judged
     error_window_s: float = 10.0      # the error-rate window, seconds
     scrape_failures_degraded: int = 2  # consecutive failed scrapes that make a replica DEGRADED ("unreachable")
     scrape_failures_ejected: int = 5  # consecutive failed scrapes that EJECT it. Once it answers again it enters
                                       # RECOVERING (slow start, P6)
+    unresponsive_after_s: float = 5.0  # scrapes that time out count as failed only once the replica has also
+                                       # shown no sign of life this long: no successful scrape and no request
+                                       # answered in Envoy's access log (a busy vLLM answers /metrics in seconds
+                                       # now and then; refused or reset connections count at once)
     degraded_weight: float = 0.25     # `Replica.weight` while DEGRADED
     eject_after_s: float = 20.0       # a DEGRADED replica whose signals are still bad this long after it was
                                       # degraded is EJECTED
@@ -44,16 +52,17 @@ class HealthPolicy:
                                       # seconds (`HealthTracker.allow_probe`)
     probe_min_samples: int = 1        # first tokens (and finished requests) enough to judge an EJECTED or
                                       # RECOVERING replica, whose traffic is deliberately small
-    slow_start_steps: tuple[float, ...] = (0.1, 0.3, 0.5, 1.0)  # weights of RECOVERING, strictly increasing in
-                                      # (0, 1]; the replica starts at the first and advances one step per
-                                      # `slow_start_step_s`; past the last step (or on reaching 1.0) it is HEALTHY
-    slow_start_step_s: float = 5.0    # seconds of healthy TTFT needed per step (the timer restarts when TTFT is not
-                                      # healthy)
-    slow_start_healthy_factor: float = 0.8  # during slow start TTFT is healthy when p95 <= this x
-                                            # ttft_p95_degraded_s (or too few samples to say); between that and the
-                                            # relapse bar the step is held
-    relapse_factor: float = 1.0       # a RECOVERING replica whose p95 TTFT exceeds relapse_factor x
-                                      # ttft_p95_degraded_s (or that collapses in TPS, errors or stops answering)
+    slow_start_steps: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)  # weights of RECOVERING, strictly increasing
+                                      # in (0, 1]; the replica starts at the first and moves one step per
+                                      # `slow_start_step_s`, up or down by its TTFT; past the last step (or on
+                                      # reaching 1.0) it is HEALTHY
+    slow_start_step_s: float = 1.0    # how often slow start moves a step: up when the p95 TTFT of the first tokens
+                                      # of the last step_s is healthy (or there were none), down when not
+    slow_start_healthy_factor: float = 1.0  # during slow start TTFT is healthy when its p95 over the last step is
+                                            # <= this x max(admission.ttft_target_s, the median p95 of the pool's
+                                            # healthy replicas)
+    relapse_factor: float = 1.0       # a RECOVERING replica whose p95 TTFT exceeds relapse_factor x the TTFT bar
+                                      # of a healthy one (or that collapses in TPS, errors or stops answering)
                                       # falls back to EJECTED
     fallback_weight: float = 0.1      # weight given to the best ejected replica when every replica of the pool is
                                       # degraded or ejected (never zero capacity while a replica still answers)
@@ -61,7 +70,7 @@ class HealthPolicy:
     def validate(self, path: str) -> None:
         positive(self, path, "ttft_p95_degraded_s", "tps_min_busy", "error_window_s", "eject_after_s",
                  "recover_after_s", "probe_interval_s", "slow_start_step_s", "slow_start_healthy_factor",
-                 "relapse_factor")
+                 "relapse_factor", "degraded_vs_pool", "unresponsive_after_s")
         non_negative(self, path, "tps_floor_per_request", "tps_min_span_s", "ejected_min_s")
         for name in ("min_samples", "error_min_samples", "probe_min_samples", "scrape_failures_degraded"):
             require(getattr(self, name) >= 1, f"{path}.{name}", f"must be >= 1, got {getattr(self, name)!r}")

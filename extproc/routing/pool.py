@@ -42,6 +42,7 @@ class EngineState:
     prompt_tps: float = 0.0             # prompt tokens/s processed over the recent window
     errors_total: float = 0.0           # scraped failures (finished_reason=error/abort), if exported
     scrape_failures: int = 0           # consecutive failed scrapes
+    scrape_timeouts: int = 0           # of those, the ones that timed out (busy or dead: health.py tells which)
     window_span_s: float = 0.0          # how much history the windowed values cover
     running_avg: float = 0.0            # mean running requests over the window
     waiting_avg: float = 0.0            # mean waiting requests over the window

@@ -5,7 +5,8 @@
                                                                                per-request timeout)
         ok   -> MetricsParser.parse (line scanner, needed samples only) -> History (window deltas)
              -> replica.on_scrape(ScrapedState(scraped_at=monotonic(), ...))
-        fail -> replica.engine.scrape_failures += 1; scraped_at stays old, so the replica goes stale
+        fail -> replica.engine.scrape_failures += 1 (and scrape_timeouts += 1 when it timed out); scraped_at
+                stays old, so the replica goes stale
       wait for this round's scrapes at most one interval (a hung replica never delays the others),
       then call every `listeners` callback (health evaluation, dispatch of queued requests).
 
@@ -22,6 +23,17 @@ newest snapshot minus the newest one at or before `now - window_s` (or the oldes
 down means the engine restarted: the history restarts and the state says `restarted=True`. A gap longer than
 `stale_after_s + scrape_timeout_s` between two successful scrapes (an outage, not one slow answer) also
 restarts the history: first tokens observed before the outage must not count against the replica's recovery.
+Slow answers are not an outage: a busy vLLM answers /metrics in seconds now and then (measured on two busy
+engines: median 74 ms, p90 0.56 s, 1 in 10 past 1 s), so a gap whose failed scrapes all timed out keeps the
+history (unless it outlasts the whole window), and the windowed rates keep covering the lumps in which vLLM
+refreshes its counters.
+
+Failed scrapes are told apart: a timeout means the replica may be busy (`scrape_timeouts`); a refused or reset
+connection, an HTTP error or an unreadable page means it did not answer (health.py treats only those as
+unreachable unless the replica has also stopped serving requests).
+
+    recent p95 TTFT: the same quantile over the last `recent_s` only (slow start judges each step by the first
+              tokens of that step: `routing.health.slow_start_step_s`).
 
     p95 TTFT: the bucket deltas form a histogram of the window's first tokens; the quantile is interpolated
               linearly inside the bucket holding rank 0.95 x count (Prometheus' histogram_quantile: the lowest
@@ -69,6 +81,8 @@ class ScrapedState(EngineState):
                                        # learns the prefill speed from it
     first_tokens_total: float = -1.0   # first tokens ever (the TTFT histogram's count; -1: not exported): with
                                        # the prompt counter, the mean real prompt per request (token calibration)
+    ttft_p95_recent_s: float = 0.0     # p95 TTFT over the last `History.recent_s` only (slow start's step)
+    ttft_count_recent: float = 0.0     # first tokens within that short window
 
 
 class Parsed:
@@ -351,18 +365,22 @@ def _went_down(new: float | None, old: float | None) -> bool:
 
 
 class History:
-    """Recent cumulative snapshots of one replica, bounded; windowed deltas over `window_s`."""
+    """Recent cumulative snapshots of one replica, bounded; windowed deltas over `window_s` (and the TTFT
+    quantile also over the last `recent_s`)."""
 
-    __slots__ = ("window_s", "max_gap_s", "snaps", "bounds")
+    __slots__ = ("window_s", "max_gap_s", "recent_s", "snaps", "bounds")
 
-    def __init__(self, window_s: float, maxlen: int, max_gap_s: float = _INF) -> None:
+    def __init__(self, window_s: float, maxlen: int, max_gap_s: float = _INF, recent_s: float = 0.0) -> None:
         self.window_s = window_s
         self.max_gap_s = max_gap_s  # a longer gap between two scrapes (an outage) restarts the window
+        self.recent_s = recent_s    # the short window (0: none)
         self.snaps: deque[_Snap] = deque(maxlen=maxlen)
         self.bounds: tuple[float, ...] = ()
 
-    def add(self, t: float, p: Parsed) -> bool:
-        """Record a scrape; True when a counter went down (the engine restarted)."""
+    def add(self, t: float, p: Parsed, outage: bool = True) -> bool:
+        """Record a scrape; True when a counter went down (the engine restarted). `outage`: a scrape since the
+        previous successful one failed other than by timing out; only then (or when the gap outlasts the
+        window) does a gap longer than `max_gap_s` restart the window."""
         snap = _Snap(t, p)
         restarted = False
         if self.snaps:
@@ -373,7 +391,7 @@ class History:
                 self.snaps.clear()
             elif p.ttft_bounds != self.bounds:
                 self.snaps.clear()  # bucket layout changed (engine upgrade): deltas would be meaningless
-            elif t - last.t > self.max_gap_s:
+            elif t - last.t > self.max_gap_s and (outage or t - last.t > self.window_s):
                 self.snaps.clear()  # back after an outage: what happened before it says nothing about now
         self.bounds = p.ttft_bounds
         self.snaps.append(snap)
@@ -409,15 +427,36 @@ class History:
                 deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
                 st.ttft_count_window = deltas[-1]
                 st.ttft_p95_s = histogram_quantile(0.95, self.bounds, deltas)
+                self._fill_recent(st)
         elif p.generation_tps_gauge is not None:
             st.generation_tps = p.generation_tps_gauge
         if p.cache_hit_rate is not None:
             st.prefix_hit_rate = p.cache_hit_rate
 
 
-def build_state(now: float, p: Parsed, hist: History) -> ScrapedState:
-    """One scrape's `ScrapedState` (records `p` into `hist`)."""
-    restarted = hist.add(now, p)
+    def _fill_recent(self, st: ScrapedState) -> None:
+        """p95 TTFT and first tokens over the last `recent_s` (the newest snapshot at or before now - recent_s
+        is the base; with fewer snapshots, the window's)."""
+        if self.recent_s <= 0:
+            return
+        snaps = self.snaps
+        new = snaps[-1]
+        start = new.t - self.recent_s
+        base = snaps[0]
+        for s in reversed(snaps):
+            if s.t <= start:
+                base = s
+                break
+        if base is new or len(base.ttft) != len(new.ttft):
+            return
+        deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
+        st.ttft_count_recent = deltas[-1]
+        st.ttft_p95_recent_s = histogram_quantile(0.95, self.bounds, deltas)
+
+
+def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> ScrapedState:
+    """One scrape's `ScrapedState` (records `p` into `hist`; `outage`: see `History.add`)."""
+    restarted = hist.add(now, p, outage)
     kv = p.kv_usage or 0.0
     if p.cache_info_tokens:
         cap = p.cache_info_tokens
@@ -453,7 +492,7 @@ def is_fresh(replica: Replica, now: float, stale_after_s: float) -> bool:
 # ---- the scraper --------------------------------------------------------------------------------------------
 
 class _Target:
-    __slots__ = ("pool", "replica", "url", "parser", "metrics", "history", "task", "failing")
+    __slots__ = ("pool", "replica", "url", "parser", "metrics", "history", "task", "failing", "unanswered")
 
     def __init__(self, pool: Pool, replica: Replica, parser: MetricsParser, history: History) -> None:
         self.pool = pool
@@ -464,6 +503,7 @@ class _Target:
         self.metrics = rm.replica_metrics(pool.model, replica.address)
         self.task: asyncio.Task | None = None
         self.failing = False
+        self.unanswered = False  # a scrape failed other than by timing out since the last successful one
 
 
 class Scraper:
@@ -487,6 +527,7 @@ class Scraper:
         self._maxlen = min(100_000, int(policy.window_s / policy.scrape_interval_s) * 2 + 16)
         # an outage: no successful scrape for longer than stale + one timed-out scrape (one slow answer is not)
         self._max_gap = policy.stale_after_s + policy.scrape_timeout_s  # type: ignore[operator]
+        self._recent = policy.health.slow_start_step_s
         self._first_seen: dict[tuple[str, str], float] = {}
 
     # ---- public ---------------------------------------------------------------------------------------------
@@ -555,7 +596,8 @@ class Scraper:
         key = (pool.model, r.address)
         t = self._targets.get(key)
         if t is None or t.replica is not r:
-            hist = t.history if t is not None else History(self.policy.window_s, self._maxlen, self._max_gap)
+            hist = (t.history if t is not None
+                    else History(self.policy.window_s, self._maxlen, self._max_gap, self._recent))
             t = self._targets[key] = _Target(pool, r, self._parser(pool.metrics_style), hist)
             first = self._first_seen.setdefault(key, time.monotonic())
             t.metrics.age_from(lambda r=r: r.engine.scraped_at, first)
@@ -622,7 +664,8 @@ class Scraper:
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self._failed(t, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            self._failed(t, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                         timed_out=isinstance(exc, TimeoutError))
             return False
         except Exception as exc:  # never let one replica's oddity kill its task unseen
             self._failed(t, f"unexpected {exc!r}")
@@ -636,11 +679,12 @@ class Scraper:
             if parsed.running is None and parsed.waiting is None and parsed.kv_usage is None:
                 self._failed(t, f"no {t.parser.names.style} engine metrics on the page")
                 return False
-            st = build_state(now, parsed, t.history)
+            st = build_state(now, parsed, t.history, outage=t.unanswered)
         except Exception as exc:  # the scanner skips what it cannot read; this is a bug or a very odd page
             self._failed(t, f"unreadable page: {exc!r}")
             return False
         r.on_scrape(st)
+        t.unanswered = False
         t.metrics.engine(st, time.perf_counter() - started)
         self.scrapes_ok += 1
         if t.failing:
@@ -648,9 +692,17 @@ class Scraper:
             log.info("scrape of %s/%s works again", t.pool.model, r.address)
         return True
 
-    def _failed(self, t: _Target, why: str) -> None:
+    def _failed(self, t: _Target, why: str, timed_out: bool = False) -> None:
+        """A failed scrape. A timeout is counted apart (`scrape_timeouts`): a busy engine answers late, a dead
+        one not at all (health.py decides which from the requests it still completes)."""
         self.scrapes_failed += 1
-        t.replica.engine.scrape_failures += 1
+        engine = t.replica.engine
+        engine.scrape_failures += 1
+        if timed_out:
+            engine.scrape_timeouts += 1
+            t.metrics.timeouts.inc()
+        else:
+            t.unanswered = True
         t.metrics.failures.inc()
         if not t.failing:
             t.failing = True

@@ -114,19 +114,45 @@ def test_nothing_is_measured_while_a_long_prompt_is_in_flight():
     assert pr.update(rs, 1.2) == 10_000
 
 
-def test_a_replica_that_left_healthy_forgets_its_learned_speed():
-    """P6: after an outage the pre-crash speed (learned under a burst) let the recovered replicas' queues overflow;
-    a replica back from DEGRADED/EJECTED/RECOVERING learns again from the configured speed."""
-    from extproc.routing.pool import EJECTED, HEALTHY
+def test_a_replica_back_from_an_outage_keeps_its_learned_speed():
+    """P6: the engine that comes back runs on the same hardware. Forgetting its speed put the gate back at the
+    configured 10,000 tokens/s against ~25,000 real while the outage's backlog waited. While every replica
+    recovers, their speeds set the pool's; a sick (DEGRADED) replica is not measured."""
+    from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING
 
     rs, pr = replicas(), PrefillRate(10_000)
     scrape(rs, 1.0, 0, waiting=3)
     pr.update(rs, 1.0)
     scrape(rs, 1.2, 5_000, waiting=2)
-    assert pr.update(rs, 1.2) > 14_000
+    learned = pr.update(rs, 1.2)
+    assert learned > 14_000
     for r in rs:
         r.state = EJECTED
-    assert pr.update(rs, 1.3) == 10_000  # no healthy replica: the configured speed
+    assert pr.update(rs, 1.3) == 10_000  # nothing serves: the configured speed (placement refuses anyway)
     for r in rs:
-        r.state = HEALTHY
-    assert pr.update(rs, 1.4) == 10_000  # back, and nothing learned since: not the old 15,000
+        r.state, r.weight = RECOVERING, 0.1
+    assert abs(pr.update(rs, 1.4) - learned) < 200  # relaxed a little over 0.2 s, not forgotten
+    for r in rs:
+        r.state, r.weight = HEALTHY, 1.0
+    assert abs(pr.update(rs, 1.5) - learned) < 300
+    rs[0].state = DEGRADED
+    scrape(rs, 1.7, 5_100, waiting=2)    # 500 tokens/s: the sick replica's measurement is not taken
+    pr.update(rs, 1.7)
+    assert pr.seen[rs[0].address].rate > 14_000
+
+
+def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
+    rs, pr = replicas(), PrefillRate(10_000)
+    scrape(rs, 1.0, 0, waiting=3)
+    pr.update(rs, 1.0)
+    for k in range(1, 6):  # two engines prefill 15,000/s, one (half-dead, still HEALTHY) 750/s
+        for r, speed in zip(rs, (15_000, 15_000, 750)):
+            r.on_scrape(ScrapedState(scraped_at=1.0 + 0.2 * k, waiting=3, prompt_tokens_total=speed * 0.2 * k))
+        pace = pr.update(rs, 1.0 + 0.2 * k)
+    assert pr._relaxed(pr.seen[rs[2].address], 2.0) < 3_000       # it did learn the sick engine's speed
+    assert pace > 14_000                                           # the pool goes at its healthy replicas' pace
+    for k in range(1, 8):                                          # all slow together: that is the pool's pace
+        for r, total in ((rs[0], 15_000 + 150 * k), (rs[1], 15_000 + 150 * k), (rs[2], 750 + 150 * k)):
+            r.on_scrape(ScrapedState(scraped_at=2.0 + 0.2 * k, waiting=3, prompt_tokens_total=total))
+        pace = pr.update(rs, 2.0 + 0.2 * k)
+    assert pace < 3_000

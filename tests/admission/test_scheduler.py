@@ -99,13 +99,28 @@ async def test_expired_waiter_becomes_429_and_leaves_the_queue():
     assert s.queued_total() == 0
 
 
-async def test_pool_down_sheds_503():
+async def test_pool_down_sheds_503_at_once_with_a_short_retry_after():
+    """P6: during an outage nothing is queued (a request held through it reached the recovered replicas too late
+    for its SLO); the client is told to retry in a second."""
     s = make(n_replicas=1)
     s.pool.replicas[0].state = EJECTED
+    with pytest.raises(Shed) as exc:
+        s.submit(req(), 0.0)
+    assert exc.value.status == 503 and exc.value.code == "pool_unavailable"
+    assert exc.value.retry_after_s == 1.0 and exc.value.should_retry
+
+
+async def test_waiters_are_shed_when_the_pool_goes_down():
+    s = make(n_replicas=1, max_concurrency_per_replica=1)
+    first = s.submit(req(), 0.0)
     w = s.submit(req(), 0.0)
-    assert isinstance(w, Waiter)
-    shed = s.expired(w, 1.0)
-    assert shed.status == 503 and shed.code == "pool_unavailable"
+    assert isinstance(first, Placement) and isinstance(w, Waiter)
+    s.on_scrape(0.5)
+    assert not w.future.done()               # the pool is up: it waits
+    s.pool.replicas[0].state = EJECTED
+    s.on_scrape(0.7)
+    assert w.future.done() and w.future.exception().code == "pool_unavailable"
+    assert s.queued_total() == 0
 
 
 async def test_long_lane_confined_to_a_share_of_replicas():

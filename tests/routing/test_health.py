@@ -22,23 +22,29 @@ POLICY = HealthPolicy(ttft_p95_degraded_s=1.0, min_samples=5, tps_floor_per_requ
                       slow_start_healthy_factor=0.8, relapse_factor=1.0, fallback_weight=0.2)
 
 
-def make(n: int = 2, **overrides) -> tuple[Pool, HealthTracker]:
+def make(n: int = 2, slo: float | None = None, **overrides) -> tuple[Pool, HealthTracker]:
     pool = Pool.from_config(PoolConfig(model=f"h-{uuid.uuid4().hex[:8]}",
                                        replicas=[f"127.0.0.1:{7000 + i}" for i in range(n)]))
     policy = HealthPolicy(**{**{f: getattr(POLICY, f) for f in POLICY.__dataclass_fields__}, **overrides})
-    return pool, HealthTracker(pool, policy)
+    return pool, HealthTracker(pool, policy, slo_ttft_s=slo)
 
 
 def scrape(r: Replica, now: float, *, ttft: float = 0.2, samples: float = 20, running: int = 2,
-           waiting: int = 0, tps: float = 100.0, span: float = 10.0, restarted: bool = False) -> None:
+           waiting: int = 0, tps: float = 100.0, span: float = 10.0, restarted: bool = False,
+           recent: tuple[float, float] | None = None) -> None:
+    """`recent`: (p95, first tokens) over the last slow-start step; default: the window's."""
+    recent_ttft, recent_n = recent if recent is not None else (ttft, samples)
     r.on_scrape(ScrapedState(scraped_at=now, running=running, waiting=waiting, running_avg=float(running),
                              waiting_avg=float(waiting), generation_tps=tps, window_span_s=span,
-                             ttft_p95_s=ttft, ttft_count_window=samples, restarted=restarted))
+                             ttft_p95_s=ttft, ttft_count_window=samples, restarted=restarted,
+                             ttft_p95_recent_s=recent_ttft, ttft_count_recent=recent_n))
 
 
-def fail_scrapes(r: Replica, n: int) -> None:
+def fail_scrapes(r: Replica, n: int, timeouts: bool = False) -> None:
+    """`n` more failed scrapes: refused connections, or (`timeouts`) answers that came too late."""
     for _ in range(n):
         r.engine.scrape_failures += 1
+        r.engine.scrape_timeouts += timeouts
 
 
 def round_(pool: Pool, tracker: HealthTracker, now: float, **kw) -> None:
@@ -265,21 +271,61 @@ def test_slow_start_advances_one_step_per_step_s_while_ttft_is_healthy():
     assert REGISTRY.get_sample_value("sluice_replica_weight", {"pool": pool.model, "replica": a.address}) == 1.0
 
 
-def test_slow_start_holds_its_step_while_ttft_is_in_the_gray_zone():
-    pool, tr = make()
+def test_slow_start_backs_off_a_step_when_its_last_step_was_slow_and_climbs_again():
+    """P6: the ramp follows the replica's own first tokens: up a step per step_s while the p95 of the step's first
+    tokens is within slow_start_healthy_factor x the target, down a step when not (no ejection below the relapse
+    bar), up again once it keeps up."""
+    pool, tr = make(slo=1.0)
     a = pool.replicas[0]
+    recovering(pool, tr, a)                   # t=1, weight 0.1
+    scrape(a, 6.0, ttft=0.5)
+    tr.on_scrape_round(6.0)
+    scrape(a, 11.0, ttft=0.5)
+    tr.on_scrape_round(11.0)
+    assert a.weight == 0.5
+    scrape(a, 16.0, ttft=0.7, recent=(0.9, 4))  # over 0.8 x the 1 s SLO in its last step, under the relapse bar
+    tr.on_scrape_round(16.0)
+    assert (a.state, a.weight) == (RECOVERING, 0.3) and "back off" in a.state_reason
+    scrape(a, 18.0, ttft=0.7, recent=(0.9, 4))
+    tr.on_scrape_round(18.0)
+    assert a.weight == 0.3                    # one move per step_s
+    scrape(a, 21.0, ttft=0.7, recent=(0.3, 4))
+    tr.on_scrape_round(21.0)
+    assert a.weight == 0.5
+    scrape(a, 26.0, ttft=0.7, recent=(0.0, 0))  # no first tokens in its last step: nothing says no
+    tr.on_scrape_round(26.0)
+    assert (a.state, a.weight) == (HEALTHY, 1.0)
+    assert transitions(pool, a, RECOVERING, HEALTHY, "slow_start_done") == 1.0
+    assert transitions(pool, a, RECOVERING, EJECTED, "ttft_p95") == 0.0
+
+
+def test_slow_start_at_the_first_step_stays_there_when_slow():
+    pool, tr = make(slo=1.0)
+    a = pool.replicas[0]
+    recovering(pool, tr, a)
+    for t in (6.0, 11.0, 16.0):
+        scrape(a, t, ttft=0.9, samples=3)
+        tr.on_scrape_round(t)
+        assert (a.state, a.weight) == (RECOVERING, 0.1)
+
+
+def test_slow_start_ramps_while_no_worse_than_a_busy_pool():
+    """The whole pool is over the SLO (busy): a recovering replica as fast as its peers ramps up (the pool needs
+    it); one 3x slower than them relapses."""
+    pool, tr = make(3, slo=0.5, ttft_p95_degraded_s=15.0)
+    a, b, c = pool.replicas
     recovering(pool, tr, a)                   # t=1
-    scrape(a, 4.0, ttft=0.9)                  # above 0.8 x 1.0, below the relapse bar 1.0
-    tr.on_scrape_round(4.0)
-    scrape(a, 6.5, ttft=0.9)
-    tr.on_scrape_round(6.5)
-    assert a.state == RECOVERING and a.weight == 0.1
-    scrape(a, 7.0, ttft=0.5)
-    tr.on_scrape_round(7.0)
-    tr.tick(11.4)
-    assert a.weight == 0.1                    # timer restarted at 6.5
-    tr.tick(11.5)
-    assert a.weight == 0.3
+    for t in (6.0, 11.0):
+        scrape(a, t, ttft=1.1)                # within 0.8 x the others' median 1.5 s
+        scrape(b, t, ttft=1.6)
+        scrape(c, t, ttft=1.4)
+        tr.on_scrape_round(t)
+    assert a.weight == 0.5
+    scrape(a, 12.0, ttft=5.0, samples=3)      # > 3 x the others' median 1.5 s
+    scrape(b, 12.0, ttft=1.6)
+    scrape(c, 12.0, ttft=1.4)
+    tr.on_scrape_round(12.0)
+    assert a.state == EJECTED and "relapse" in a.state_reason
 
 
 def test_relapse_during_slow_start_goes_back_to_ejected():
@@ -514,3 +560,206 @@ def test_begin_slow_start_is_a_counted_transition_to_the_first_step():
     assert a.state_reason == "undrain: operator undrain"
     assert transitions(pool, a, HEALTHY, RECOVERING, "undrain") == 1.0
     assert state_gauge(pool, a, RECOVERING) == 1.0
+
+
+# ---- the pool as reference (issue 16: busy is not sick; P8: a sick replica stands out) -------------------------
+
+def test_a_busy_pool_slows_together_and_nobody_is_degraded():
+    pool, tr = make(3, slo=0.5, ttft_p95_degraded_s=15.0)
+    for t in (1.0, 2.0, 30.0):
+        round_(pool, tr, t, ttft=4.0)        # 8 x the SLO everywhere: load, not sickness
+    assert [r.state for r in pool.replicas] == [HEALTHY] * 3
+    round_(pool, tr, 31.0, ttft=16.0)         # the absolute ceiling still holds
+    assert [r.state for r in pool.replicas] == [DEGRADED] * 3
+
+
+def test_a_replica_much_slower_than_its_peers_and_over_the_slo_is_degraded():
+    pool, tr = make(3, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b, c = pool.replicas
+    scrape(a, 1.0, ttft=2.9)                  # 3 x 0.3 = 0.9 < 2.9 but the bar is max(SLO 1, 0.9)... 2.9 > 1: sick
+    scrape(b, 1.0, ttft=0.3)
+    scrape(c, 1.0, ttft=0.3)
+    tr.on_scrape_round(1.0)
+    assert (a.state, b.state, c.state) == (DEGRADED, HEALTHY, HEALTHY)
+    assert "others' median 0.3s" in a.state_reason
+    assert transitions(pool, a, HEALTHY, DEGRADED, "ttft_p95") == 1.0
+
+
+def test_slower_than_peers_but_within_the_slo_is_fine():
+    pool, tr = make(3, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b, c = pool.replicas
+    scrape(a, 1.0, ttft=0.8)                  # 8 x its peers, yet within the SLO
+    scrape(b, 1.0, ttft=0.1)
+    scrape(c, 1.0, ttft=0.1)
+    tr.on_scrape_round(1.0)
+    assert a.state == HEALTHY
+
+
+def test_two_replicas_compare_with_each_other():
+    pool, tr = make(2, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b = pool.replicas
+    scrape(a, 1.0, ttft=2.0)
+    scrape(b, 1.0, ttft=0.6)                  # 3 x 0.6 = 1.8 < 2.0
+    tr.on_scrape_round(1.0)
+    assert (a.state, b.state) == (DEGRADED, HEALTHY)
+    tr.tick(1.2)
+    assert tr.ttft_bar(b) == 15.0             # a is no longer a healthy peer: b has no reference
+
+
+def test_peers_without_enough_first_tokens_are_no_reference():
+    pool, tr = make(2, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b = pool.replicas
+    scrape(a, 1.0, ttft=5.0)
+    scrape(b, 1.0, ttft=0.1, samples=2)       # < min_samples: says nothing about the pool
+    tr.on_scrape_round(1.0)
+    assert a.state == HEALTHY
+
+
+def test_error_rate_is_judged_against_the_others():
+    """Timeouts that hit every replica (clients' deadlines under load) are the load's: nobody is degraded. A
+    replica failing while its peers do not is."""
+    pool, tr = make(3)
+    a, b, c = pool.replicas
+    for r in pool.replicas:
+        for _ in range(7):
+            tr.on_outcome(r.address, "completed", 1.0)
+        for _ in range(3):
+            tr.on_outcome(r.address, "timeout", 1.0)
+    round_(pool, tr, 1.5)
+    assert [r.state for r in pool.replicas] == [HEALTHY] * 3
+    for _ in range(20):
+        tr.on_outcome(a.address, "failed", 2.0)
+    round_(pool, tr, 2.0)
+    assert (a.state, b.state, c.state) == (DEGRADED, HEALTHY, HEALTHY)
+    assert a.state_reason.startswith("error_rate") and "+ the others' 30%" in a.state_reason
+
+
+def complete(tr: HealthTracker, r: Replica, n: int, at: float, outcome: str = "completed") -> None:
+    for _ in range(n):
+        tr.on_outcome(r.address, outcome, at)
+
+
+def test_a_high_ttft_while_it_keeps_pace_with_its_peers_is_load_not_sickness():
+    """Two saturated real engines: p95 TTFT 4.86 s against the other's 0.98 s while both completed requests
+    (307 and 351 over the burst). A replica that falls behind its peers' completions as well is sick (P8)."""
+    pool, tr = make(2, slo=2.0, ttft_p95_degraded_s=15.0, tps_min_span_s=3.0)
+    a, b = pool.replicas
+    for t in range(1, 8):
+        complete(tr, a, 5, t)                 # 5 and 6 completed a second: the same pace
+        complete(tr, b, 6, t)
+        if t < 3:
+            continue                          # (the pace is judged over 3 s)
+        scrape(a, t + 0.5, ttft=4.86)
+        scrape(b, t + 0.5, ttft=0.98)
+        tr.on_scrape_round(t + 0.5)
+        assert (a.state, b.state) == (HEALTHY, HEALTHY), a.state_reason
+    for t in range(8, 12):
+        complete(tr, a, 1, t)                 # now it falls behind: 1 against 6 a second
+        complete(tr, b, 6, t)
+        scrape(a, t + 0.5, ttft=4.86)
+        scrape(b, t + 0.5, ttft=0.98)
+        tr.on_scrape_round(t + 0.5)
+    assert (a.state, b.state) == (DEGRADED, HEALTHY)
+    assert a.state_reason.startswith("ttft_p95")
+
+
+def test_errors_that_hit_a_degraded_peer_as_well_are_the_load():
+    """Real engines, saturated: one replica degraded, then the other saw 8 of 28 requests fail while every
+    replica failed alike. A degraded peer is still a reference for the error rate."""
+    pool, tr = make(2, slo=1.0, ttft_p95_degraded_s=15.0)
+    a, b = pool.replicas
+    scrape(a, 1.0, ttft=5.0)
+    scrape(b, 1.0, ttft=0.5)
+    tr.on_scrape_round(1.0)
+    assert a.state == DEGRADED
+    complete(tr, a, 20, 2.0)
+    complete(tr, a, 8, 2.0, "failed")
+    complete(tr, b, 20, 2.0)
+    complete(tr, b, 8, 2.0, "failed")
+    scrape(a, 2.5, ttft=5.0)
+    scrape(b, 2.5, ttft=0.5)
+    tr.on_scrape_round(2.5)
+    assert b.state == HEALTHY, b.state_reason
+    complete(tr, b, 30, 3.0, "failed")        # failing alone: sick
+    scrape(b, 3.5, ttft=0.5)
+    tr.on_scrape_round(3.5)
+    assert b.state == DEGRADED and b.state_reason.startswith("error_rate")
+
+
+# ---- slow to report is not dead (issue 16) ------------------------------------------------------------------
+
+def test_scrape_timeouts_while_it_completes_requests_never_take_a_replica_out():
+    pool, tr = make()
+    a, b = pool.replicas
+    round_(pool, tr, 0.0)
+    t = 0.0
+    for _ in range(40):                       # 40 s of /metrics answering too late, requests completing
+        t += 1.0
+        fail_scrapes(a, 1, timeouts=True)
+        tr.on_outcome(a.address, "completed", t - 0.5)
+        scrape(b, t)
+        tr.on_scrape_round(t)
+        assert a.state == HEALTHY, a.state_reason
+    assert a.engine.scrape_failures == 40
+    assert transitions(pool, a, HEALTHY, DEGRADED, "unreachable") == 0.0
+    assert transitions(pool, a, HEALTHY, EJECTED, "unreachable") == 0.0
+
+
+def test_a_cancelled_request_the_replica_was_answering_is_a_sign_of_life():
+    pool, tr = make()
+    a = pool.replicas[0]
+    round_(pool, tr, 0.0)
+    fail_scrapes(a, 6, timeouts=True)
+    tr.on_outcome(a.address, "cancelled", 3.0, answered=True)
+    tr.on_scrape_round(6.0)
+    assert a.state == HEALTHY
+    tr.on_outcome(a.address, "cancelled", 9.0)  # left before any byte: says nothing
+    tr.on_scrape_round(8.0)
+    assert a.state == EJECTED and a.state_reason.startswith("unreachable")
+
+
+def test_timeouts_with_no_sign_of_life_for_unresponsive_after_s_are_unreachable():
+    """A frozen replica (SIGSTOP, a hung API server) accepts connections and answers nothing: its timeouts count
+    once nothing has come from it for unresponsive_after_s (5 s here)."""
+    pool, tr = make(unresponsive_after_s=5.0)
+    a = pool.replicas[0]
+    round_(pool, tr, 0.0)
+    tr.on_outcome(a.address, "completed", 1.0)
+    fail_scrapes(a, 5, timeouts=True)
+    tr.on_scrape_round(5.9)                   # 4.9 s since the last completion
+    assert a.state == HEALTHY
+    tr.on_scrape_round(6.0)
+    assert a.state == EJECTED and a.state_reason.startswith("unreachable")
+    assert tr.allow_probe(a, 7.0) is False    # nothing answers: no probe either
+    scrape(a, 8.0)                            # answers again
+    tr.on_scrape_round(8.0)
+    assert a.state == RECOVERING
+
+
+def test_refused_connections_count_at_once_even_while_requests_complete():
+    """Requests finishing on a replica that has just died do not hide its death: refused and reset scrapes are
+    not timeouts."""
+    pool, tr = make()
+    a = pool.replicas[0]
+    round_(pool, tr, 0.0)
+    tr.on_outcome(a.address, "completed", 0.3)
+    fail_scrapes(a, 1, timeouts=True)
+    fail_scrapes(a, 2)
+    tr.on_scrape_round(0.6)
+    assert a.state == DEGRADED and a.state_reason.startswith("unreachable: 2 consecutive")
+
+
+def test_a_flat_token_counter_is_no_collapse_while_requests_are_answered():
+    """vLLM refreshes its counters in lumps seconds apart: a window without a lump reads as 0 tokens/s. The
+    access log says whether the replica answers anything; a hung one answers nothing."""
+    pool, tr = make()
+    a, b = pool.replicas
+    tr.on_outcome(a.address, "completed", 2.5)
+    scrape(a, 3.0, running=4, tps=0.0, span=3.0, samples=0)
+    scrape(b, 3.0, running=4, tps=0.0, span=3.0, samples=0)
+    tr.on_scrape_round(3.0)
+    assert (a.state, b.state) == (HEALTHY, DEGRADED)
+    assert b.state_reason.startswith("tps_collapse")
+    scrape(a, 6.0, running=4, tps=0.0, span=3.0, samples=0)  # the completion is older than the window now
+    tr.on_scrape_round(6.0)
+    assert a.state == DEGRADED

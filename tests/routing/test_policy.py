@@ -15,7 +15,8 @@ def test_defaults():
     assert p.scrape_interval_s == 0.2 and p.stale_after_s == pytest.approx(1.0) and p.window_s == 10.0
     assert p.scrape_timeout_s == 1.0
     h = p.health
-    assert h.ttft_p95_degraded_s == 15.0 and h.slow_start_steps == (0.1, 0.3, 0.5, 1.0)
+    assert h.ttft_p95_degraded_s == 15.0 and h.degraded_vs_pool == 3.0 and h.unresponsive_after_s == 5.0
+    assert h.slow_start_steps == (0.1, 0.25, 0.5, 1.0) and h.slow_start_step_s == 1.0
     assert h.degraded_weight == 0.25 and h.enabled is True
 
 

@@ -154,11 +154,13 @@ async def test_timeout_is_a_failure_and_the_old_state_goes_stale(replicas):
         assert await scraper.scrape_once() == 0
         assert time.monotonic() - t0 < 1.0         # bounded by the timeout, not the replica
         assert r.engine.scrape_failures == 1
+        assert r.engine.scrape_timeouts == 1       # slow to answer: told apart from not answering
         assert r.engine.scraped_at == scraped_at   # not refreshed
         assert r.engine.running == 3               # last known numbers kept
         assert not scraper.is_fresh(r, scraped_at + 0.3)
         assert scraper.is_fresh(r, scraped_at + 0.2)
         assert sample("sluice_scrape_failures_total", pool, fake.address) == 1.0
+        assert sample("sluice_scrape_timeouts_total", pool, fake.address) == 1.0
         fake.mode = "ok"
         fake.release.set()
         assert await scraper.scrape_once() == 1
@@ -175,12 +177,14 @@ async def test_connection_refused_counts_failures_until_the_replica_comes_back(r
         assert await scraper.scrape_once() == 0
         assert await scraper.scrape_once() == 0
         assert r.engine.scrape_failures == 2 and r.engine.scraped_at == 0.0
+        assert r.engine.scrape_timeouts == 0       # refused: not there at all
         assert not scraper.is_fresh(r)
         assert scraper.scrapes_failed == 2
         await fake.start()
         assert await scraper.scrape_once() == 1
         assert r.engine.scrape_failures == 0 and scraper.is_fresh(r)
         assert sample("sluice_scrape_failures_total", pool, fake.address) == 2.0
+        assert not sample("sluice_scrape_timeouts_total", pool, fake.address)
     finally:
         await scraper.stop()
 

@@ -100,4 +100,4 @@ async def test_crashed_replica_is_ejected_and_comes_back_through_slow_start():
             weights.add(b.weight)
             return b.state == HEALTHY
         assert await wait_for_async(healthy_again, 10.0, 0.05)
-        assert {0.1, 0.3, 0.5} <= weights            # every slow-start step was taken
+        assert {0.1, 0.25, 0.5} <= weights            # every slow-start step was taken

@@ -165,6 +165,32 @@ def test_a_gap_longer_than_max_gap_restarts_the_window():
     assert st.ttft_count_window == 1 and st.generation_tps == pytest.approx(40.0)
 
 
+def test_a_gap_of_slow_answers_keeps_the_window():
+    """Issue 16: a busy vLLM answers /metrics seconds late now and then. Such a gap is not an outage: the window
+    keeps covering the lumps in which vLLM refreshes its counters (a restart there left 3 s windows holding no
+    lump: 0 tokens/s, tps_collapse). A gap longer than the whole window restarts it anyway."""
+    hist = History(10.0, maxlen=100, max_gap_s=1.0)
+    build_state(0.0, VP.parse(vllm_page(gen=0, ttft=[])), hist)
+    build_state(0.5, VP.parse(vllm_page(gen=50, ttft=[0.2] * 10)), hist)
+    st = build_state(3.0, VP.parse(vllm_page(gen=250, ttft=[0.2] * 12)), hist, outage=False)
+    assert st.window_span_s == 3.0 and st.ttft_count_window == 12
+    assert st.generation_tps == pytest.approx(250 / 3.0)
+    st = build_state(14.0, VP.parse(vllm_page(gen=300, ttft=[0.2] * 12)), hist, outage=False)
+    assert st.window_span_s == 0.0
+
+
+def test_recent_ttft_covers_the_last_recent_s_only():
+    """Slow start judges each step by that step's first tokens (health.py)."""
+    hist = History(10.0, maxlen=100, recent_s=1.0)
+    build_state(0.0, VP.parse(vllm_page(ttft=[])), hist)
+    build_state(1.0, VP.parse(vllm_page(ttft=[9.0] * 10)), hist)
+    st = build_state(2.0, VP.parse(vllm_page(ttft=[9.0] * 10 + [0.2] * 4)), hist)
+    assert st.ttft_count_window == 14 and st.ttft_p95_s > 5.0
+    assert st.ttft_count_recent == 4 and st.ttft_p95_recent_s < 0.5        # within the 0.2 s bucket
+    st = build_state(2.5, VP.parse(vllm_page(ttft=[9.0] * 10 + [0.2] * 5)), hist)
+    assert st.ttft_count_recent == 5                        # base: the newest snapshot at or before 1.5 s
+
+
 def test_prompt_and_first_token_counters_reach_the_state():
     """Token calibration compares the engine's mean prompt per prefill with the sidecar's estimate."""
     st = state_after([(1.0, vllm_page(prompt=12_000, ttft=[0.1] * 6))])
