@@ -133,7 +133,11 @@ def test_smg_registers_health_checks_and_scrapes_the_simulated_replicas(tmp_path
     stack.start()
     replicas = policy.pools[0].replicas
     try:
-        workers = json.loads(_get(stack.base_url + "/workers"))["workers"]
+        def registered() -> list[dict]:  # smg registers its workers in the background after it starts serving
+            workers = json.loads(_get(stack.base_url + "/workers"))["workers"]
+            return workers if len(workers) == len(replicas) and all(w["is_healthy"] for w in workers) else []
+
+        workers = wait_for(registered, 15) or json.loads(_get(stack.base_url + "/workers"))["workers"]
         assert sorted(w["url"] for w in workers) == sorted(f"http://{a}" for a in replicas)
         assert all(w["is_healthy"] and w["runtime_type"] == "vllm" for w in workers)
         assert _post(stack)[0] == 200
