@@ -201,9 +201,12 @@ class Policy:
             by_port[port] = name
 
     def derive(self) -> None:
-        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms."""
-        if self.admission.max_wait_s <= 0:
-            self.admission.max_wait_s = self.sidecar.max_queue_wait_ms / 1000.0
+        """Fill the values one section derives from another: admission.max_wait_s 0 (derived from the SLO by the
+        scheduler) never exceeds sidecar.max_queue_wait_ms, the longest Envoy holds a request for the sidecar."""
+        cap_s = self.sidecar.max_queue_wait_ms / 1000.0
+        adm = self.admission
+        if adm.max_wait_s > cap_s or (adm.max_wait_s <= 0 and adm.ttft_target_s > cap_s):
+            adm.max_wait_s = cap_s
 
     @property
     def default_pool(self) -> PoolConfig:

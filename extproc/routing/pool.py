@@ -51,10 +51,11 @@ class Replica:
     address: str
     pool: str
     kv_capacity_tokens: int = 0         # policy value or scraped; 0 = unknown (KV headroom not enforced)
-    max_num_seqs: int = 256
+    max_num_seqs: int = 0               # the engine's cap on requests it runs at once, learned by admission
+                                        # (admission/seq_cap.py); 0 = not known
     # this sidecar's own accounting, exact
     inflight_requests: int = 0
-    inflight_tokens: int = 0            # reserved footprint: prompt + expected output of each placed request
+    inflight_tokens: int = 0            # footprints (prompt + expected output) of this sidecar's requests in flight
     inflight_prompt_tokens: int = 0
     placed_prompt_total: int = 0        # estimated prompt tokens ever placed here ...
     placed_requests_total: int = 0      # ... in this many requests (token calibration)
@@ -115,12 +116,6 @@ class Replica:
     def routable(self) -> bool:
         """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
         return not self.draining and self.state != EJECTED and self.weight > 0
-
-    def kv_used_tokens(self) -> float:
-        """Best estimate of KV tokens in use now: the last scrape plus what this sidecar placed since, and never
-        less than this sidecar's own reservations (a full footprint per request, so no preemption)."""
-        scraped = self.engine.kv_usage * self.kv_capacity_tokens + self.placed_since_scrape_tokens
-        return max(scraped, float(self.inflight_tokens))
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests
