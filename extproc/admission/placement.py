@@ -66,6 +66,8 @@ DEADLINE_SHARE = 0.75  # of the client's time left, the most a predicted first t
 MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
+REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
+                # scheduler's timer): the replica never runs dry between dispatches
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
 NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
@@ -216,11 +218,16 @@ class Placer:
         """Requests the replica may run: the explicit limit, else its engine's learned cap, else the default."""
         return self.policy.max_concurrency_per_replica or r.max_num_seqs or UNSCRAPED_CONCURRENCY
 
-    def ttft_limit_s(self, req: LLMRequest, now: float) -> float:
-        """The predicted TTFT a replica may offer this request: the policy's target, and less when the client's own
+    def ttft_limit_s(self, req: LLMRequest, now: float, waited: float = 0.0) -> float:
+        """The predicted TTFT a replica may offer this request: what is left of the policy's target after the
+        `waited` seconds it spent in the sidecar's queue (never less than its own prefill + REFILL_S), so its first
+        token still comes within the SLO: under a sustained overload the engines' queues stay short and the wait
+        happens here, where it is fair and can be shed with retry-after (P1f). Less again when the client's own
         timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
         P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
+        if waited > 0:
+            limit = max(limit - waited, req.prompt_tokens / self.rate + REFILL_S)
         left = req.time_left_s(now)
         if left is not None:
             left = DEADLINE_SHARE * left - self.answer_decode_s(req)
@@ -321,8 +328,9 @@ class Placer:
             s += pol.score_kv_weight * r.inflight_requests / self._concurrency_bound(r)
         return s + pol.score_waiting_weight * r.engine.waiting
 
-    def choose(self, req: LLMRequest, lane: int, now: float) -> list[Replica] | None:
-        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now."""
+    def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:
+        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now (`waited`: seconds
+        the request has been queued)."""
         best = second = None
         best_s = second_s = 0.0
         reasons = self.last_reasons
@@ -338,7 +346,7 @@ class Placer:
             return None
         tenant = req.tenant if over == 0 else None
         held_s = self._tenant_backlog_s(req.tenant, now)
-        ttft_limit = self.ttft_limit_s(req, now)
+        ttft_limit = self.ttft_limit_s(req, now, waited)
         cached = self.prefix.cached_tokens(req) if self.prefix is not None else {}
         self._cached_for, self._cached = req, cached
         for r in self.pool.replicas:

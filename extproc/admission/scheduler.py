@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from extproc.admission import metrics as am
 from extproc.admission.decode_time import DecodeTime
-from extproc.admission.placement import TENANT, Placer
+from extproc.admission.placement import REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
@@ -179,7 +179,7 @@ class Scheduler:
 
     def _wait_budget(self, req: LLMRequest, now: float) -> float:
         """How long this request may wait here: the policy's max wait, by default the SLO (ttft_target_s) minus
-        its own predicted prefill (at most half the SLO), so a request that could not get its first token within
+        its own predicted prefill (at most half the SLO) and REFILL_S, so a request that could not get its first token within
         the SLO is told at once to retry later (P1f); and never so long that the client's own deadline passes
         before it could get its first token (stream) or its whole answer (non-stream). Work dispatched just before
         the client gives up is ghost load (P4)."""
@@ -188,9 +188,11 @@ class Scheduler:
         if pol.max_wait_s > 0:
             budget = pol.max_wait_s
         else:
-            # A prompt whose prefill alone takes most of the SLO cannot meet it by waiting less: it may wait half
-            # of it, and is served when a replica frees (its lane keeps it off the others' way).
-            budget = pol.ttft_target_s - min(prefill, 0.5 * pol.ttft_target_s)
+            # Dispatched from the queue, it may land behind REFILL_S of prefill. A prompt whose prefill alone takes
+            # most of the SLO cannot meet it by waiting less: it may wait half of it, and is served when a replica
+            # frees (its lane keeps it off the others' way).
+            target = pol.ttft_target_s
+            budget = max(REFILL_S, target - REFILL_S - min(prefill, 0.5 * target))
         left = req.time_left_s(now)
         if left is not None:
             budget = min(budget, 0.9 * left - prefill - self.placer.answer_decode_s(req))
@@ -223,10 +225,10 @@ class Scheduler:
             return self.lane_requests[lane] == 0  # one oversized request may run alone
         return True
 
-    def _try_place(self, req: LLMRequest, lane: int, now: float) -> Placement | None:
+    def _try_place(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> Placement | None:
         if not self._lane_allows(lane, req):
             return None
-        pins = self.placer.choose(req, lane, now)
+        pins = self.placer.choose(req, lane, now, waited)
         if pins is None:
             self.m.saturated(self.placer.last_reasons)
             return None
@@ -251,7 +253,7 @@ class Scheduler:
                     queue.remove(w)
                     self.m.queued(lane, w.priority, -1)
                     continue
-                placed = self._try_place(w.req, lane, now)
+                placed = self._try_place(w.req, lane, now, now - w.enqueued)
                 if placed is None:
                     if not self.placer.last_reasons.get(TENANT):
                         break  # the pool is full: nothing else fits either

@@ -1,6 +1,7 @@
 """Scheduler + placer: token-metered dispatch, lanes, deadlines, shedding, release."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -37,17 +38,18 @@ async def test_dispatches_immediately_when_a_replica_fits():
 async def test_kv_headroom_meters_tokens_not_requests():
     # 5,000 prompt tokens/s: lanes short <= 0.2 s (1,000 tokens) < normal <= 1 s < long of the 2 s target
     s = make(n_replicas=1, prefill_tokens_per_s=5000)
-    big = s.submit(req(prompt=4000, out=4000), 0.0)
+    t0 = time.monotonic()  # release() reads the clock
+    big = s.submit(req(prompt=4000, out=4000), t0)
     assert isinstance(big, Placement)
     # never scraped, so its footprint counts in full: 8,000 of 10,000 held, a 3,000-token request waits although
     # only one request runs
-    queued = s.submit(req(prompt=1500, out=1500), 0.0)
+    queued = s.submit(req(prompt=1500, out=1500), t0)
     assert isinstance(queued, Waiter)
     # a smaller one of the same lane would fit, but waits behind the queued one (no queue jumping) ...
-    same_lane = s.submit(req(prompt=1100, out=10), 0.0)
+    same_lane = s.submit(req(prompt=1100, out=10), t0)
     assert isinstance(same_lane, Waiter)
     # ... while a short prompt has its own lane and goes now
-    assert isinstance(s.submit(req(prompt=10, out=10), 0.0), Placement)
+    assert isinstance(s.submit(req(prompt=10, out=10), t0), Placement)
     s.release(big, req(prompt=4000, out=4000))
     assert queued.future.done() and same_lane.future.done()
     assert isinstance(queued.future.result(), Placement)
@@ -135,8 +137,10 @@ async def test_prefill_backlog_spreads_and_predicts_ttft():
     # both replicas have 1.5 s of prefill queued: a third 1,500-token prompt would exceed the 2 s target
     c = s.submit(req(prompt=1500, out=1), 0.0)
     assert isinstance(c, Waiter)
-    # 1 s later the backlog has drained to 0.5 s: it fits
-    assert s.kick(now=1.0) == 1 and c.future.done()
+    # 1 s later the backlog has drained to 0.5 s, but 1 s waited + 0.5 + 1.5 s of prefill is past the 2 s target:
+    # it waits on, and goes once at most REFILL_S (0.1 s) of backlog is ahead of its own prefill
+    assert s.kick(now=1.0) == 0 and not c.future.done()
+    assert s.kick(now=1.41) == 1 and c.future.done()
 
 
 async def test_release_restores_every_counter():
