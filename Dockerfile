@@ -14,7 +14,6 @@ COPY bench ./bench
 # [k8s]: the Kubernetes client, for InferencePool endpoint discovery (deploy/k8s)
 RUN pip install .[k8s] \
     && useradd --system --uid 10001 --no-create-home sluice
-COPY sluice.yaml ./
 
 USER sluice
 # ext_proc gRPC, /metrics, admin API (loopback only), simulator API

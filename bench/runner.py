@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.backends import SimBackend, VllmBackend, make_backend
 from bench.capacity import EngineSpec, capacity_rps
 from bench.openloop import raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
@@ -88,9 +89,14 @@ def sluice_additions(sc: Scenario) -> dict[str, Any]:
     return out
 
 
+Backend = SimBackend | VllmBackend
+
+
 def make_stack(sc: Scenario, system: str, run_dir: Path, seed: int, with_sluice_sections: bool = True,
-               redis_url: str | None = None) -> Stack:
+               redis_url: str | None = None, backend: Backend | None = None) -> Stack:
     data = policy_dict(sc, system, seed, with_sluice_sections)
+    if backend is not None:
+        backend.prepare(sc, data)
     if redis_url and system == "sluice":
         budgets = data.setdefault("budgets", {})
         budgets["store"] = {"kind": "redis", "redis": {"url": redis_url}}
@@ -118,7 +124,8 @@ def start_redis(run_dir: Path) -> tuple[Child, str]:
     raise StartupError("redis-server did not start:\n" + child.log_tail())
 
 
-def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[Stack, list[str]]:
+def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int,
+                backend: Backend | None = None) -> tuple[Stack, list[str]]:
     """Start the stack; if the sidecar refuses the scenario's policy sections (capability parsers are stricter
     than this harness), start it once more without them and say so. Returns (stack, notes)."""
     notes: list[str] = []
@@ -126,7 +133,7 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
     if getattr(sc, "redis", False) and system == "sluice":
         redis, redis_url = start_redis(run_dir)
     try:
-        stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url)
+        stack = make_stack(sc, system, run_dir, seed, redis_url=redis_url, backend=backend)
         stack.start()
         if redis is not None:
             stack.children.append(redis)  # stopped with the stack
@@ -140,7 +147,7 @@ def start_stack(sc: Scenario, system: str, run_dir: Path, seed: int) -> tuple[St
             raise
         first = str(exc).splitlines()[-1][:300] if str(exc) else "startup error"
         notes.append(f"sidecar refused the scenario's policy sections ({first}); ran without them")
-    stack = make_stack(sc, system, run_dir / "retry", seed, with_sluice_sections=False)
+    stack = make_stack(sc, system, run_dir / "retry", seed, with_sluice_sections=False, backend=backend)
     stack.start()
     return stack, notes
 
@@ -220,8 +227,10 @@ def parse_prom_labels(text: str, name: str) -> list[tuple[dict[str, str], float]
 class Control:
     """What `Scenario.during` may use while the load runs."""
 
-    def __init__(self, stack: Stack, run: RunData, session: aiohttp.ClientSession, t0: list[float]) -> None:
+    def __init__(self, stack: Stack, run: RunData, session: aiohttp.ClientSession, t0: list[float],
+                 backend: Backend) -> None:
         self.stack = stack
+        self.backend = backend
         self.run = run
         self.session = session
         self._t0 = t0
@@ -231,15 +240,9 @@ class Control:
 
     async def fault(self, replica: int, fault: str, value: Any = None) -> dict[str, Any]:
         addr = self.run.replicas[replica]
-        url = self.stack.sim_admin_url(addr) + "/sim/fault"
-        payload: dict[str, Any] = {"fault": fault}
-        if value is not None:
-            payload["value"] = value
         t = self.now()
         try:
-            async with self.session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                ok = resp.status == 200
-                await resp.read()
+            ok = await self.backend.fault(self.session, replica, addr, fault, value)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             ok = False
             print(f"    fault {fault} on {addr} failed: {exc}", file=sys.stderr)
@@ -257,27 +260,27 @@ class Control:
 
 
 async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.ClientSession, t0: list[float],
-                stop: asyncio.Event) -> None:
+                stop: asyncio.Event, backend: Backend) -> None:
     """Replica state every POLL_S; sidecar metrics and gateway RSS when the scenario asks."""
-    urls = {addr: stack.sim_admin_url(addr) + "/sim/state" for addr in run.replicas}
+    urls = {addr: addr for addr in run.replicas}
     parts = _gateway_pids(stack)
     rnd = 0
-    timeout = aiohttp.ClientTimeout(total=1.0)
 
-    async def one(addr: str, url: str, t: float, k: int) -> None:
+    async def one(addr: str, _url: str, t: float, k: int) -> None:
         try:
-            async with session.get(url, timeout=timeout) as resp:
-                st = await resp.json()
+            st = await backend.state(session, addr)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return
         c = st.get("counters") or {}
         run.samples.setdefault(addr, []).append({
             "t": t, "round": k, "running": st.get("running"), "waiting": st.get("waiting"),
+            "inflight": (st.get("running") or 0) + (st.get("waiting") or 0),
             "kv": st.get("kv_usage"), "preemptions": c.get("preemptions"), "ghost": c.get("ghost_tokens"),
             "gen": c.get("generation_tokens"), "prompt": c.get("prompt_tokens"),
             "crashed": (st.get("faults") or {}).get("crashed"), "slow": (st.get("faults") or {}).get("slow"),
             "finished": sum((c.get("finished") or {}).values()),
-            "aborted": (c.get("finished") or {}).get("abort", 0)})
+            "aborted": None if backend.real else (c.get("finished") or {}).get("abort", 0),
+            "prefix_queries": c.get("prefix_cache_queries"), "prefix_hits": c.get("prefix_cache_hits")})
         run.sim_final[addr] = st
 
     while not stop.is_set():
@@ -316,16 +319,14 @@ async def _faults(ctl: Control, wl: Workload, ts: float) -> None:
         await ctl.fault(f.replica, f.fault, f.value)
 
 
-async def _settle(stack: Stack, run: RunData, session: aiohttp.ClientSession, limit_s: float) -> None:
+async def _settle(backend: Backend, run: RunData, session: aiohttp.ClientSession, limit_s: float) -> None:
     """After the load: wait (bounded) until no replica runs or queues anything, so end counters are complete."""
     deadline = time.monotonic() + limit_s
-    timeout = aiohttp.ClientTimeout(total=1)
     while time.monotonic() < deadline:
         busy = 0
         for addr in run.replicas:
             try:
-                async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
-                    st = await resp.json()
+                st = await backend.state(session, addr)
                 busy += int(st.get("running", 0)) + int(st.get("waiting", 0))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
                 pass
@@ -334,12 +335,11 @@ async def _settle(stack: Stack, run: RunData, session: aiohttp.ClientSession, li
         await asyncio.sleep(0.2)
 
 
-async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession) -> None:
+async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession, backend: Backend) -> None:
     timeout = aiohttp.ClientTimeout(total=3)
     for addr in run.replicas:
         try:
-            async with session.get(stack.sim_admin_url(addr) + "/sim/state", timeout=timeout) as resp:
-                run.sim_final[addr] = await resp.json()
+            run.sim_final[addr] = await backend.state(session, addr, 3.0)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             pass
     try:
@@ -404,7 +404,8 @@ def diagnostics(run: RunData) -> dict[str, Any]:
     return out
 
 
-async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int) -> None:
+async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: bool, seed: int,
+                backend: Backend) -> None:
     ts = float(sc.time_scale)
     arrivals = scale_arrivals(wl.arrivals, ts)
     deadline = (wl.duration + wl.drain) / ts
@@ -414,7 +415,8 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
     t0: list[float] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as side:
-        ctl = Control(stack, run, side, t0)
+        await backend.begin_run(side, run.replicas)
+        ctl = Control(stack, run, side, t0, backend)
         started = asyncio.Event()
 
         def on_start(t: float) -> None:
@@ -428,7 +430,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
         if not started.is_set():
             waiter.cancel()
             await load  # raises the generator's error (a bad workload), never hangs here
-        poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop))
+        poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop, backend))
         helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
                    asyncio.create_task(sc.during(ctl, run, quick))]
         try:
@@ -440,20 +442,23 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
                     h.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
             if sc.settle_s > 0:
-                await _settle(stack, run, side, sc.settle_s)
+                await _settle(backend, run, side, sc.settle_s)
             stop.set()
             await poller
-        await _final(stack, run, side)
+        await _final(stack, run, side, backend)
 
 
-def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) -> tuple[RunData | None, dict]:
+def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path,
+            backend: Backend | None = None) -> tuple[RunData | None, dict]:
     """Start the system, replay, stop. Returns (run data or None, info for _meta)."""
+    backend = backend or SimBackend()
     info: dict[str, Any] = {"system": system, "notes": []}
     t_start = time.monotonic()
-    wl = sc.workload(quick)
     run_dir = workdir / f"{sc.id}-{system}"
     try:
-        stack, notes = start_stack(sc, system, run_dir, seed)
+        stack, notes = start_stack(sc, system, run_dir, seed, backend)
+        backend.attach(stack)
+        wl = sc.workload(quick)  # after the backend is ready: real engines set the prompt text's scale
     except Exception as exc:  # noqa: BLE001 - report and continue with the next system
         info["error"] = f"start failed: {exc}"[:2000]
         return None, info
@@ -462,13 +467,15 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) ->
     run = RunData(scenario=sc.id, system=system, time_scale=float(sc.time_scale),
                   replicas=list(stack.policy.pools[0].replicas))
     run.extra["quick"] = quick
+    run.extra["backend"] = backend.name
     try:
-        asyncio.run(drive(sc, stack, wl, run, quick, seed))
+        asyncio.run(drive(sc, stack, wl, run, quick, seed, backend))
     except Exception as exc:  # noqa: BLE001
         info["error"] = f"run failed: {type(exc).__name__}: {exc}"
         traceback.print_exc()
         return None, info
     finally:
+        backend.end_run()
         stack.stop()
     run.wall_s = time.monotonic() - t_start
     info["wall_s"] = round(run.wall_s, 1)
@@ -480,9 +487,10 @@ def run_one(sc: Scenario, system: str, quick: bool, seed: int, workdir: Path) ->
 # ---- all runs ---------------------------------------------------------------------------------------------------
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
-                  verbose: bool = True, command: str = "") -> dict[str, Any]:
+                  verbose: bool = True, command: str = "", backend: Backend | None = None) -> dict[str, Any]:
     from bench import report
 
+    backend = backend or SimBackend()
     scenarios = [n for n in names if isinstance(n, Scenario)]
     scenarios += get_scenarios([n for n in names if isinstance(n, str)]) if any(isinstance(n, str) for n in names) \
         else []
@@ -493,18 +501,22 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
-                            "baselines": {}, "reproduced_by": {}}
+                            "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {}}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:
         for sc in scenarios:
+            if not backend.supports(sc):
+                meta["skipped"][sc.id] = f"does not fit the {backend.name} backend"
+                print(f"[{sc.id}] skipped: does not fit the {backend.name} backend", flush=True)
+                continue
             out[sc.id] = {}
             runs: dict[str, RunData] = {}
             meta["time_scale"][sc.id] = sc.time_scale
             for system in systems:
                 if verbose:
                     print(f"[{sc.id}] {system} ...", flush=True)
-                run, info = run_one(sc, system, quick, seed, workdir)
+                run, info = run_one(sc, system, quick, seed, workdir, backend)
                 meta["runs"].setdefault(sc.id, {})[system] = info
                 if run is None:
                     out[sc.id][system] = {m.key: None for m in sc.metrics_doc}
@@ -549,6 +561,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                   f" ({why})", flush=True)
             report.write_scenario(sc, out[sc.id], meta, results_dir)
     finally:
+        backend.close()
         if not keep_runs:
             shutil.rmtree(workdir, ignore_errors=True)
     meta["wall_s"] = round(time.monotonic() - t_all, 1)
@@ -578,6 +591,9 @@ def main(argv: list[str]) -> int:
                              "runs, so a partial run never overwrites the published summary; '' = none)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
+    parser.add_argument("--backend", default="sim", choices=("sim", "vllm-cpu"),
+                        help="the replicas: simulators (default) or two real vLLM-CPU engines, one per core")
+    parser.add_argument("--vllm", default=None, help="the vllm-cpu venv (default: bench/vllm_cpu.py's VENV)")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
@@ -591,16 +607,18 @@ def main(argv: list[str]) -> int:
 
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv))
+                           command="sluice bench run " + " ".join(argv), backend=backend)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=False))
     summary = args.summary
     if summary is None:
-        complete = set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
+        complete = (set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
+                    and args.backend == "sim")
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)

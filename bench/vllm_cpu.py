@@ -335,8 +335,12 @@ class Engine:
             self.signal_group(signal.SIGKILL)
 
 
-def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0) -> list[Engine]:
-    """Start one engine per spec (all at once), wait until every ``/health`` is 200; stop all on failure."""
+def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0,
+                  dev_mode: bool = False) -> list[Engine]:
+    """Start one engine per spec (all at once), wait until every ``/health`` is 200; stop all on failure.
+
+    ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which adds vLLM's ``POST /reset_prefix_cache`` (the benchmarks
+    empty the prefix cache between systems)."""
     if not installed():
         raise VllmMissing(missing_message())
     model = build_model()
@@ -345,9 +349,10 @@ def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0
     try:
         for spec in specs:
             log_path = log_dir / f"vllm-{spec.port}.log"
+            env = dict(spec.env(), VLLM_SERVER_DEV_MODE="1") if dev_mode else spec.env()
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(spec.argv(model), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=spec.env(), cwd=str(log_dir),
+                                        stdin=subprocess.DEVNULL, env=env, cwd=str(log_dir),
                                         start_new_session=True)
             engines.append(Engine(spec, proc, log_path))
         for e in engines:

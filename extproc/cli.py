@@ -1,12 +1,16 @@
 """`sluice`: the one command operators use.
 
     sluice up [--config FILE]        Envoy + sidecar + simulated replicas, until Ctrl-C
+    sluice init [PATH] [--force]     write a commented policy file to start from (default ./sluice.yaml)
     sluice serve [--config FILE]     the sidecar alone (what docker-compose runs)
     sluice render [--out DIR]        write Envoy's bootstrap + LDS/CDS from the policy
     sluice check [--config FILE]     validate the policy and the rendered Envoy config
     sluice sim ...                   a simulated vLLM replica (see `sluice sim --help`)
     sluice bench ...                 benchmarks (overhead, the P1..P13 scenarios)
     sluice status | drain R | undrain R | reload | top    operate a running sidecar (admin API)
+
+The policy file: `--config FILE` if given, else ./sluice.yaml in the current directory, else the built-in
+default policy (the simulated demo, extproc/default_policy.yaml in the installed package).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from typing import TYPE_CHECKING
 
-from extproc.config import Policy, PolicyError, default_policy_path, load_policy
+from extproc.config import EMBEDDED_POLICY, POLICY_FILE_NAME, Policy, PolicyError, default_policy_path, load_policy
 
 if TYPE_CHECKING:
     from extproc.supervisor import Stack
@@ -99,13 +104,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def default_run_dir(policy: Policy) -> Path:
+    """Where `sluice up` writes its run files (rendered Envoy config, logs, the sidecars' copy of the policy)
+    unless --run-dir says otherwise: $XDG_STATE_HOME/sluice/up-<gateway port> (~/.local/state/... when
+    XDG_STATE_HOME is unset). Not the current directory, which may be anyone's (or read-only); one directory per
+    gateway port, so two stacks never share the xDS files their Envoys watch."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "sluice" / f"up-{policy.gateway.port}"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from extproc.supervisor import Stack, StartupError
 
-    policy = _load(args.config)
+    policy_path = Path(args.config) if args.config else default_policy_path()
+    policy = load_policy(policy_path)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(policy)
     # The sidecar watches the user's own policy file: editing it (or SIGHUP) reloads the policy and Envoy's xDS.
-    stack = Stack(policy, run_dir=Path(args.run_dir), mode=args.mode,
-                  policy_file=Path(args.config) if args.config else default_policy_path())
+    # The built-in default is not the user's to edit: the sidecars read the run directory's copy of it.
+    stack = Stack(policy, run_dir=run_dir, mode=args.mode,
+                  policy_file=None if policy_path == EMBEDDED_POLICY else policy_path)
     stopping = {"flag": False}
 
     def _stop(_sig: int, _frame: object) -> None:
@@ -118,11 +136,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 1
-    except FileNotFoundError as exc:
+    except OSError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 1
     model = policy.default_pool.model
-    print(_banner(stack, model), flush=True)
+    print(_banner(stack, model, policy_path), flush=True)
     try:
         while not stopping["flag"]:
             dead = [c for c in stack.children if not c.alive()]
@@ -138,13 +156,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _banner(stack: Stack, model: str) -> str:
+def _banner(stack: Stack, model: str, policy_path: Path) -> str:
     base = stack.base_url
+    policy = (f"built-in default ({policy_path}); `sluice init` writes ./{POLICY_FILE_NAME} to edit"
+              if policy_path == EMBEDDED_POLICY else str(policy_path))
     lines = [
         "sluice is up",
+        f"  policy:                    {policy}",
         f"  gateway (OpenAI base URL): {base}/v1",
         f"  Envoy admin / stats:       {stack.admin_url}/stats/prometheus",
         f"  sidecar metrics:           {stack.metrics_url}",
+        f"  run files (xDS, logs):     {stack.run_dir}",
     ]
     for model_name, addr in stack.simulated_replicas():
         lines.append(f"  simulated replica:         http://{addr} ({model_name})")
@@ -161,6 +183,25 @@ def _banner(stack: Stack, model: str) -> str:
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Write the commented policy file (extproc/policy_template.py); an existing file is kept unless --force."""
+    from extproc.policy_template import render
+
+    path = Path(args.path)
+    if path.is_dir():
+        path = path / POLICY_FILE_NAME
+    if path.exists() and not args.force:
+        print(f"sluice init: {path} already exists; --force overwrites it", file=sys.stderr)
+        return 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render())
+    in_cwd = path.resolve() == (Path.cwd() / POLICY_FILE_NAME).resolve()
+    config = "" if in_cwd else f" --config {path}"
+    print(f"wrote {path}: the demo policy, every other field commented out with its default.\n"
+          f"next: edit it, `sluice check{config}`, then `sluice up{config}`")
+    return 0
 
 
 def cmd_sim(argv: list[str]) -> int:
@@ -181,11 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        p.add_argument("--config", "-c", help="policy file (default: sluice.yaml in the project root)")
+        p.add_argument("--config", "-c", help=f"policy file (default: ./{POLICY_FILE_NAME} if there is one, else "
+                                              "the built-in default policy: the simulated demo)")
         return p
 
     p = with_config(sub.add_parser("up", help="start Envoy, the sidecar and simulated replicas"))
-    p.add_argument("--run-dir", default=".run", help="rendered config and logs go here (default .run)")
+    p.add_argument("--run-dir", default=None,
+                   help="rendered config and logs go here (default: $XDG_STATE_HOME/sluice/up-<gateway port>, "
+                        "i.e. ~/.local/state/sluice/up-8080 for the default policy)")
     p.add_argument("--mode", default="sluice", choices=["sluice", "envoy-rr", "envoy-lr"])
     p.set_defaults(func=cmd_up)
     p = with_config(sub.add_parser("serve", help="run the ext_proc sidecar"))
@@ -203,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
     p = with_config(sub.add_parser("check", help="validate the policy and the rendered Envoy config"))
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("init", help=f"write a commented policy file to start from (default ./{POLICY_FILE_NAME})")
+    p.add_argument("path", nargs="?", default=POLICY_FILE_NAME,
+                   help=f"file, or directory to write {POLICY_FILE_NAME} in (default: ./{POLICY_FILE_NAME})")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(func=cmd_init)
     sub.add_parser("sim", help="simulated vLLM replica (sluice sim --help)", add_help=False)
     sub.add_parser("bench", help="benchmarks (sluice bench --help)", add_help=False)
     from extproc.opscli import HELP as OPS_HELP

@@ -29,7 +29,7 @@ from extproc.streaming import StreamingPolicy
 
 __all__ = ["Policy", "PolicyError", "GatewayConfig", "SidecarConfig", "LimitsConfig", "SimulatorConfig",
            "PoolConfig", "policy_from_dict", "load_policy", "read_policy_file", "parse_section", "policy_to_dict", "split_addr",
-           "is_loopback", "default_policy_path"]
+           "is_loopback", "default_policy_path", "EMBEDDED_POLICY", "POLICY_FILE_NAME"]
 
 
 def _check_port(value: int, where: str) -> None:
@@ -263,5 +263,14 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyError(f"{path}: {exc}") from None
 
 
+POLICY_FILE_NAME = "sluice.yaml"
+# The simulated demo, shipped as package data: what runs when there is no policy file.
+EMBEDDED_POLICY = Path(__file__).resolve().with_name("default_policy.yaml")
+
+
 def default_policy_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "sluice.yaml"
+    """The policy file a command reads without `--config FILE`: ./sluice.yaml in the current directory when there
+    is one (what `sluice init` writes), else the built-in default (EMBEDDED_POLICY). The full order is
+    `--config FILE` > ./sluice.yaml > the built-in default."""
+    local = Path.cwd() / POLICY_FILE_NAME
+    return local if local.is_file() else EMBEDDED_POLICY

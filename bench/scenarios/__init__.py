@@ -28,6 +28,7 @@ SCENARIOS: dict[str, str] = {
     "P11": "p11_agents",
     "P12": "p12_connections",
     "P13": "p13_slow_consumers",
+    "PX": "px_prefix",
 }
 
 

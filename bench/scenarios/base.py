@@ -239,11 +239,21 @@ _WORDS = ("alpha bravo delta echo golf hotel india juliet kilo lima mike oscar p
           "victor xray yankee zulu").split()
 
 
+_TEXT_SCALE = [1.0]  # words per token of the replicas' tokenizer (1 for the simulator's)
+
+
+def set_text_scale(words_per_token: float) -> None:
+    """Real engines tokenize the filler words differently: the real backend measures words per token once
+    (bench/backends.py) so that a prompt of N tokens in a scenario is N tokens on the engine too."""
+    _TEXT_SCALE[0] = float(words_per_token)
+
+
 def text_of(tokens: int, salt: int = 0) -> str:
-    """Text the simulator's tokenizer counts as about `tokens` tokens (short words are one token each).
+    """Text the replicas' tokenizer counts as about `tokens` tokens (for the simulator's, short words are one
+    token each; see `set_text_scale` for real engines).
 
     `salt` makes bodies distinct (a gateway may treat identical bodies from one tenant as retries)."""
-    n = max(1, tokens)
+    n = max(1, round(tokens * _TEXT_SCALE[0]))
     head = f"req{salt} "
     words = [_WORDS[(salt + i * 7) % len(_WORDS)] for i in range(n - 1)]
     return head + " ".join(words)
@@ -398,6 +408,7 @@ class Scenario:
     client_rcvbuf: int = 0              # SO_RCVBUF of the load generator's sockets (0 = OS default)
     settle_s: float = 0.0               # after the load, wait up to this long (wall) for idle replicas
     budget_s = 20.0                     # rough wall budget per system-run in --quick mode (documentation)
+    derived_values: dict[str, Any] = {}  # the numbers the docstring derives, as computed at this preset
     metrics_doc: list[Metric] = []
     headline: tuple[str, ...] = ()      # the keys the summary's overview table shows
 
@@ -436,7 +447,20 @@ class Scenario:
         import sys
 
         mod = sys.modules.get(type(self).__module__)
-        return ((mod.__doc__ if mod is not None else None) or type(self).__doc__ or "").strip()
+        doc = ((mod.__doc__ if mod is not None else None) or type(self).__doc__ or "").strip()
+        return doc + "\n\n" + self.derived_line()
+
+    def derived_line(self) -> str:
+        """The derived numbers at the preset in use (the docstring says how each is derived)."""
+        vals = {"ttft_target_s": f"{self.slo_ttft_s:g}", **{k: _fmt_derived(v) for k, v in self.derived_values.items()}}
+        if self.sim_args:
+            vals["engine flags"] = " ".join(self.sim_args)
+        return (f"Derived at the `{self.preset}` preset (bench/capacity.py): "
+                + ", ".join(f"{k}: {v}" for k, v in vals.items()) + ".")
+
+
+def _fmt_derived(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def client(**kw: Any) -> ClientSpec:

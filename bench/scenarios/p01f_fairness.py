@@ -1,13 +1,16 @@
 """P1f fairness: one tenant floods at 10x another's rate; does the other tenant keep its TTFT?
 
 A variant of P1 (a flood peak) where the flood comes from one tenant. Workload (3 replicas, tiny-cpu,
-time_scale 1): tenant `steady` sends chat requests of 2,000 prompt and 32 output tokens at 4/s (seeded
-Poisson) all along; it is alone for the first 10 s (its solo value). From t=10 s to the end (22 s) tenant
-`flood` sends the same requests at 40/s (10x), about 1.5x what the pool can prefill. Tenants
-are named the way the gateway identifies them without API keys: the `x-sluice-tenant` header.
+time_scale 1): chat requests of 1,000 prompt and 32 output tokens (unique prompts: no shared prefix). With
+`CAP` = 3 x `capacity_rps(1000, 32)` (bench/capacity.py, the preset's cost model; 34 requests/s at the
+calibrated tiny-cpu), tenant `flood` sends 1.5 x CAP (half as much again as the pool can serve) and tenant
+`steady` a tenth of that, 0.15 x CAP (seeded Poisson). `steady` is alone for the first 8 s (quick; 20 s full:
+its solo value); from then to the end (18 s quick) `flood` runs too. Tenants are named the way the gateway
+identifies them without API keys: the `x-sluice-tenant` header.
 
-SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
-Classes: the tenants `steady` and `flood`.
+SLO: the first token within `slo_ttft_s(ttft_alone(1,000))` (5x the TTFT on an idle replica, at least 0.5 s,
+rounded up: 0.5 s at the calibrated preset) of the user's first send (retries included) and the response
+completed. Classes: the tenants `steady` and `flood`.
 
 Headline metrics: `slo_goodput_rps`, `other_tenant_ttft_p95_ratio` = `steady`'s p95 TTFT while the flood runs /
 its p95 TTFT alone, measured side by side in the same run (the first second of the flood is left out: the phase
@@ -15,7 +18,7 @@ change itself), both from the first send of each user request, refused ones cens
 waited. `other_tenant_refused`: share of `steady`'s requests that ended refused or failed during the flood.
 Reproduced on envoy-rr when the ratio is >= 3 (round robin serves the tenants in arrival order: the quiet
 tenant waits behind the flood's queue).
-Sluice is told: the SLO (`admission.ttft_target_s: 1`). The tenants are named by the `x-sluice-tenant` header,
+Sluice is told: the SLO (`admission.ttft_target_s`). The tenants are named by the `x-sluice-tenant` header,
 which the sidecar trusts by default (`tenants.trust_tenant_header`), so no tenant setting is needed; the fair
 queue treats them at equal weight (default). `admission.tenant_prefill_share` stays at its default (1.0: off).
 `envoy-tuned` gets a per-tenant `local_ratelimit` (bench/baselines.py: each tenant at most half the pool).
@@ -26,11 +29,15 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
+from bench.capacity import EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd
 
-PROMPT, OUT = 2000, 32
-STEADY_RPS = 4.0
+PROMPT, OUT = 1000, 32
+SPEC = EngineSpec.of("tiny-cpu")
+CAP = pool_rps(SPEC, 3, PROMPT, OUT)
 FLOOD_X = 10.0
+STEADY_RPS = 1.5 * CAP / FLOOD_X
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
 SETTLE_S = 1.0  # seconds after the flood starts left out of the flood phase
 
 
@@ -40,7 +47,8 @@ class S(Scenario):
     problem = "instant flood peaks, not sustained load (from one tenant)"
     replicas = 3
     time_scale = 1.0
-    slo_ttft_s = 1.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"CAP (req/s)": CAP, "steady (req/s)": STEADY_RPS, "flood (req/s)": STEADY_RPS * FLOOD_X}
     tenant_requests = {"steady": (PROMPT, OUT), "flood": (PROMPT, OUT)}
     headline = ("slo_goodput_rps", "other_tenant_ttft_p95_ratio", "other_tenant_ttft_p95_s")
     metrics_doc = [

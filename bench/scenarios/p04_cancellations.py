@@ -1,14 +1,19 @@
 """P4 mass cancellations while the model keeps computing (ghost load).
 
 Workload (2 replicas, tiny-cpu, time_scale 1; the replicas abort a request when its connection closes, as vLLM
-does): requests of 1,500 prompt and 120 output tokens arrive at 20/s (seeded Poisson), above what the pool
-serves, so queues form. Every client has a 3 s deadline, sent as `x-stainless-read-timeout` as the openai SDK
-does, and gives up when it passes. Three kinds of client, by arrival index:
+does): requests of 1,500 prompt tokens (unique: no shared prefix) and SHORT_OUTPUT output tokens, a quarter of
+them LONG_OUTPUT, arrive at 1.3x the pool's capacity for that mix (`2 x mix_capacity_rps`, bench/capacity.py:
+10 requests/s at the calibrated tiny-cpu; seeded Poisson), above what the pool serves, so queues form. Every
+client has a deadline `TIMEOUT_S` = 1.5 x the SLO, sent as `x-stainless-read-timeout` as the openai SDK does,
+and gives up when it passes. LONG_OUTPUT is what one stream decodes in twice that deadline with half the
+engine's batch busy (`decode_tok_s`): those answers outlast the deadline; SHORT_OUTPUT is a quarter of it.
+Three kinds of client, by arrival index:
   * `waits` (2 in 5): the SDK closes the connection at its deadline;
-  * `lingers` (2 in 5): a business service whose call times out at 3 s, but a hop between it and the gateway
-    does not propagate the abort (a proxy with `proxy_ignore_client_abort`, a connection pool that drains the
-    response) and keeps the connection open and reading until the response ends (capped at 30 s and by the
-    run's end). This is the issue's "the upstream service has a 30 s HTTP timeout, yet vLLM keeps generating";
+  * `lingers` (2 in 5): a business service whose call times out at the deadline, but a hop between it and the
+    gateway does not propagate the abort (a proxy with `proxy_ignore_client_abort`, a connection pool that
+    drains the response) and keeps the connection open and reading until the response ends (capped at 30 s and
+    by the run's end). This is the issue's "the upstream service has a 30 s HTTP timeout, yet vLLM keeps
+    generating";
   * `leaves` (1 in 5): the user closes the page after 5 tokens.
 A disconnect reaches an aborting replica through any gateway in milliseconds, so the ghost load here is the
 lingering connections': round robin forwards them and the replica generates until the end for nobody.
@@ -20,18 +25,19 @@ deadline in `x-sim-deadline`, a benchmark probe only the simulator reads). `late
 client-side cross-check: content the lingering connections received after their deadline; where a gateway does
 not forward `x-sim-deadline` (smg drops it), the replicas cannot count late tokens and this lower bound is used.
 
-Every client is the openai SDK with that 3 s timeout: it retries a timeout (max_retries 2), so a user request
-may cost three attempts.
+Every client is the openai SDK with that timeout: it retries a timeout (max_retries 2), so a user request may
+cost three attempts.
 
-SLO: the first token within 2 s of the user's first send (retries included) and the response completed (before
-the client's 3 s deadline, or it does not complete). Classes: `waits`, `lingers`, `leaves` (a user who closes the
+SLO: the first token within `slo_ttft_s(ttft_alone(1,500))` (5x the TTFT on an idle replica, at least 0.5 s,
+rounded up: 1 s at the calibrated preset) of the user's first send (retries included) and the response
+completed (before the client's deadline, or it does not complete). Classes: `waits`, `lingers`, `leaves` (a user who closes the
 page after 5 tokens never completes: no system serves that class, it only counts as offered).
 
 Headline metrics: `slo_goodput_rps`, `ghost_tokens_per_cancel` (ghost tokens per attempt that disconnected or
 timed out; the bar is one decode step, i.e. at most 1 token per cancelled sequence), `ghost_tokens`,
 `wasted_tokens` (ghost tokens plus tokens streamed to clients that then gave up), `goodput_rps` (completed user
 requests per second, any TTFT). Reproduced on envoy-rr when ghost_tokens_per_cancel >= 20.
-Sluice is told: the SLO (`admission.ttft_target_s: 2`). From the client's `x-stainless-read-timeout` the sidecar
+Sluice is told: the SLO (`admission.ttft_target_s`). From the client's `x-stainless-read-timeout` the sidecar
 knows when waiting is pointless and sets Envoy's `x-envoy-upstream-rq-timeout-ms` to the time left, so Envoy
 resets the upstream stream at the deadline and the replica aborts even though the client's connection stays
 open; the queue wait is the default (`sidecar.max_queue_wait_ms`).
@@ -43,11 +49,18 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
+from bench.capacity import EngineSpec, decode_tok_s, mix_capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
 
-TIMEOUT_S = 3.0
+PROMPT = 1500
+SPEC = EngineSpec.of("tiny-cpu")
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
+TIMEOUT_S = 1.5 * SLO_TTFT_S
 LINGER_CAP_S = 30.0
-SHORT_OUTPUT, LONG_OUTPUT, LONG_SHARE = 120, 480, 0.25  # a quarter ask for long answers that outlast 3 s
+LONG_SHARE = 0.25  # a quarter ask for long answers that outlast the deadline
+LONG_OUTPUT = round(2 * TIMEOUT_S * decode_tok_s(SPEC, SPEC.seqs // 2, PROMPT))
+SHORT_OUTPUT = LONG_OUTPUT // 4
+RATE = 1.3 * 2 * mix_capacity_rps(SPEC, [(1 - LONG_SHARE, PROMPT, SHORT_OUTPUT), (LONG_SHARE, PROMPT, LONG_OUTPUT)])
 
 
 def client_for(n: int) -> tuple[str, ClientSpec]:
@@ -67,7 +80,8 @@ class S(Scenario):
     time_scale = 1.0
     sim_args: list[str] = []
     settle_s = 6.0  # let abandoned work finish so every ghost token is counted
-    slo_ttft_s = 2.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE, "deadline (s)": TIMEOUT_S, "outputs": f"{SHORT_OUTPUT}/{LONG_OUTPUT}"}
     headline = ('slo_goodput_rps', 'ghost_tokens_per_cancel', 'goodput_rps')
     metrics_doc = [
         Metric("ghost_tokens", "tokens generated after the client had gone or its deadline had passed "
@@ -88,9 +102,9 @@ class S(Scenario):
         while t < duration:
             kind, spec = client_for(n)
             out = LONG_OUTPUT if lengths.random() < LONG_SHARE else SHORT_OUTPUT
-            arrivals.append(Arrival(at=t, body=chat(1500, out, salt=n), kind=kind, client=spec))
+            arrivals.append(Arrival(at=t, body=chat(PROMPT, out, salt=n), kind=kind, client=spec))
             n += 1
-            t += rng.expovariate(20.0)
+            t += rng.expovariate(RATE)
         return Workload(arrivals=arrivals, duration=duration, drain=TIMEOUT_S + 2.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:

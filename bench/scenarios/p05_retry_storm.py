@@ -1,22 +1,28 @@
 """P5 retry storm: the model slows a little, timeouts trigger retries at every layer, retries kill it.
 
 Workload (2 replicas, tiny-cpu, time_scale 1): a business service sends non-streaming requests of 1,000 prompt
-and 48 output tokens at 20/s (seeded Poisson, about half the pool's capacity). Each goes through a business
-layer that retries the whole call twice on timeouts and 5xx (0.2 s pause), around an SDK that behaves like the
-openai SDK: 1.5 s timeout for the whole answer (non-streaming: the response arrives complete, so the timeout
-covers it; sent as `x-stainless-read-timeout`), max_retries 2 with exponential backoff 0.5 s x 2^n and jitter,
+(unique: no shared prefix) and 48 output tokens at half the pool's capacity for them (`2 x capacity_rps(1000,
+48)`, bench/capacity.py: 10 requests/s at the calibrated tiny-cpu; seeded Poisson). Each goes through a
+business layer that retries the whole call twice on timeouts and 5xx (0.2 s pause), around an SDK that behaves
+like the openai SDK: a timeout of 1.5x the SLO for the whole answer (non-streaming: the response arrives
+complete, so the timeout covers it; sent as `x-stainless-read-timeout`), max_retries 2 with exponential
+backoff 0.5 s x 2^n and jitter,
 honouring `x-should-retry` and `retry-after-ms` / `retry-after`, sending `x-stainless-retry-count`. So one user
 request can become up to 9 attempts (more behind envoy-lr, which retries 5xx and resets itself). At t=3 s both
-replicas slow down 3x (`slow` fault: "the model was only slow") until t=7 s.
+replicas slow down (`slow` fault: "the model was only slow") until t=9 s (quick; 5..15 s full), by the factor
+that makes the backlog built during the slowdown twice the SDK timeout: the offered half of the pool's capacity
+becomes rho = 1 + 2 x timeout / slowdown length times what it can serve (factor rho / 0.5: 3.5x quick, 2.9x
+full at the calibrated preset).
 
-SLO: the answer within 1 s of the user's first send (business and SDK retries included; a non-streaming answer's
-first token is the whole answer). Classes: `before`, `during` and `after` the slowdown (by the user request's first send).
+SLO: the answer within `slo_ttft_s(latency_alone(1,000, 48))` (5x the whole answer's time on an idle replica,
+rounded up: 1.5 s at the calibrated preset) of the user's first send (business and SDK retries included; a
+non-streaming answer's first token is the whole answer). Classes: `before`, `during` and `after` the slowdown (by the user request's first send).
 
 Headline metrics: `slo_goodput_rps`, `amplification` = requests that reached a replica / distinct user requests
 (from the replicas' own counters), `client_attempts_per_user`, `goodput_rps` (user requests that finally
 succeeded, any TTFT, per second), `ttft_p95_after_s` (attempts sent after the slowdown ended, censored: does the
 storm outlive its cause?). Reproduced on envoy-rr when amplification >= 3.
-Sluice is told: the SLO (`admission.ttft_target_s: 1`). The retry budget runs at its shipped defaults
+Sluice is told: the SLO (`admission.ttft_target_s`). The retry budget runs at its shipped defaults
 (`budgets.retry`: enabled, max_share 0.1, window_s 10, floor 3: retries may be 10 % of admitted traffic; beyond
 it 429 with `x-should-retry: false`).
 """
@@ -26,9 +32,15 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
+from bench.capacity import EngineSpec, latency_alone_s, pool_rps, slo_ttft_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
-SDK_TIMEOUT_S = 1.5
+PROMPT, OUT = 1000, 48
+SPEC = EngineSpec.of("tiny-cpu")
+LOAD_SHARE = 0.5
+RATE = LOAD_SHARE * pool_rps(SPEC, 2, PROMPT, OUT)
+SLO_TTFT_S = slo_ttft_s(latency_alone_s(SPEC, PROMPT, OUT))
+SDK_TIMEOUT_S = 1.5 * SLO_TTFT_S
 
 
 class S(Scenario):
@@ -38,7 +50,8 @@ class S(Scenario):
     replicas = 2
     time_scale = 1.0
     settle_s = 3.0
-    slo_ttft_s = 1.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE, "SDK timeout (s)": SDK_TIMEOUT_S}
     headline = ('slo_goodput_rps', 'amplification', 'goodput_rps')
     metrics_doc = [
         Metric("amplification", "requests that reached a replica / distinct user requests", "x"),
@@ -51,7 +64,7 @@ class S(Scenario):
     ]
 
     def phases(self, quick: bool) -> tuple[float, float, float]:
-        return (3.0, 7.0, 11.0) if quick else (5.0, 15.0, 30.0)
+        return (3.0, 9.0, 13.0) if quick else (5.0, 15.0, 30.0)
 
     def workload(self, quick: bool) -> Workload:
         s0, s1, duration = self.phases(quick)
@@ -60,10 +73,11 @@ class S(Scenario):
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            arrivals.append(Arrival(at=t, body=chat(1000, 48, salt=n, stream=False), kind="user", client=spec))
+            arrivals.append(Arrival(at=t, body=chat(PROMPT, OUT, salt=n, stream=False), kind="user", client=spec))
             n += 1
-            t += rng.expovariate(20.0)
-        faults = [Fault(s0, i, "slow", 3.0) for i in range(self.replicas)]
+            t += rng.expovariate(RATE)
+        slow = round((1.0 + 2.0 * SDK_TIMEOUT_S / (s1 - s0)) / LOAD_SHARE, 2)
+        faults = [Fault(s0, i, "slow", slow) for i in range(self.replicas)]
         faults += [Fault(s1, i, "slow", 1.0) for i in range(self.replicas)]
         # the tail of a user's retries may run 9 x 1.5 s + backoffs after its arrival; what is still open 6 s after
         # the last arrival is cancelled and counts as not served

@@ -1,14 +1,16 @@
 """P6 thundering herd: the model is down, the backlog waits, and all of it rushes back on the first green check.
 
-Workload (3 replicas, tiny-cpu, time_scale 1): users send requests of 1,000 prompt and 32 output tokens at
-40/s (seeded Poisson, about half the pool's capacity). Clients retry like the openai SDK (max_retries 2,
+Workload (3 replicas, tiny-cpu, time_scale 1): users send requests of 1,000 prompt (unique: no shared prefix)
+and 32 output tokens at half the pool's capacity for them (`3 x capacity_rps(1000, 32)`, bench/capacity.py: 17
+requests/s at the calibrated tiny-cpu; seeded Poisson). Clients retry like the openai SDK (max_retries 2,
 backoff 0.5 s x 2^n) inside a business loop that tries again every second up to 8 times, so users keep
 knocking while the model is down. At t=3 s every replica crashes (`crash` fault: connections refused, state
 lost); at t=8 s they `recover` with empty engines (the document's 30 s outage and 1,000 queued requests,
 scaled). The backlog of retrying users and the new arrivals land on the fresh replicas at once.
 
-SLO: the first token within 2 s of the user's first send (SDK and business retries included) and the response
-completed. Classes: `before` the crash, during the `outage`, `after` the recovery (by the user request's first
+SLO: the first token within `slo_ttft_s(ttft_alone(1,000))` (5x the TTFT on an idle replica, at least 0.5 s,
+rounded up: 0.5 s at the calibrated preset) of the user's first send (SDK and business retries included) and
+the response completed. Classes: `before` the crash, during the `outage`, `after` the recovery (by the user request's first
 send).
 
 The collapse is judged where the users see it, not in a queue a gateway controls: the pool's SLO goodput per
@@ -18,11 +20,13 @@ later window falls under 50 % of that rate (counted again only after it was back
 lets the herd through and one that refuses it both fail this.
 
 Headline metrics: `slo_goodput_rps`, `recollapses`, `time_to_full_s` (recovery -> first recovered window),
-`replica_waiting_max_after` (the replicas' own queues after recovery, informational), `ttft_p95_after_s`
+`replica_inflight_max_after` (running + waiting on one replica after recovery, informational), `ttft_p95_after_s`
 (user requests first sent in the 3 s after recovery, censored).
-Reproduced on envoy-rr when replica_waiting_max_after > 16 (the herd lands in the engines' queues: a replica
-with more than 16 waiting misses the SLO) or recollapses >= 1.
-Sluice is told: the SLO (`admission.ttft_target_s: 2`); slow start (`routing.health.slow_start_*`) and the queue
+Reproduced on envoy-rr when replica_inflight_max_after > OVER (the herd lands in the engines: a replica with
+more requests in it, running or waiting, than it completes within the SLO, `SLO x capacity_rps`, misses the
+SLO; requests all run at once on an engine of 64 sequences, so running counts, not only waiting) or
+recollapses >= 1.
+Sluice is told: the SLO (`admission.ttft_target_s`); slow start (`routing.health.slow_start_*`) and the queue
 wait at their defaults.
 """
 
@@ -31,10 +35,14 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
+from bench.capacity import EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
-OVER = 16  # waiting requests beyond which a replica misses the 2 s SLO
-SLO_TTFT_S = 2.0
+PROMPT, OUT = 1000, 32
+SPEC = EngineSpec.of("tiny-cpu")
+RATE = 0.5 * 3 * capacity_rps(SPEC, PROMPT, OUT)
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
+OVER = max(1, round(SLO_TTFT_S * capacity_rps(SPEC, PROMPT, OUT)))  # requests in a replica beyond the SLO
 
 
 class S(Scenario):
@@ -44,12 +52,14 @@ class S(Scenario):
     replicas = 3
     time_scale = 1.0
     slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE, "OVER (req)": OVER}
     headline = ('slo_goodput_rps', 'recollapses', 'time_to_full_s')
     metrics_doc = [
         Metric("recollapses", "times the pool's SLO goodput fell under 50 % of its pre-outage rate after it had "
                "recovered (1 s windows)", ""),
         Metric("time_to_full_s", "recovery -> the pool's SLO goodput is back at 90 % of its pre-outage rate", "s"),
-        Metric("replica_waiting_max_after", "largest replica waiting queue after recovery", "req"),
+        Metric("replica_inflight_max_after", "most requests (running + waiting) in one replica after recovery",
+               "req"),
         Metric("ttft_p95_after_s", "p95 TTFT of user requests first sent in the 3 s after recovery", "s"),
     ]
 
@@ -63,9 +73,9 @@ class S(Scenario):
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            arrivals.append(Arrival(at=t, body=chat(1000, 32, salt=n), kind="user", client=spec))
+            arrivals.append(Arrival(at=t, body=chat(PROMPT, OUT, salt=n), kind="user", client=spec))
             n += 1
-            t += rng.expovariate(40.0)
+            t += rng.expovariate(RATE)
         faults = [Fault(down, i, "crash") for i in range(self.replicas)]
         faults += [Fault(up, i, "recover") for i in range(self.replicas)]
         return Workload(arrivals=arrivals, duration=duration, drain=4.0, faults=faults)
@@ -80,8 +90,8 @@ class S(Scenario):
         down, up, _d = (x / ts for x in self.phases(quick))
         rec_t = [e["t"] for e in run.events if e["fault"] == "recover"]
         t_up = max(rec_t) if rec_t else up
-        wmax = max([x["waiting"] for ss in run.samples.values() for x in ss
-                    if x["t"] >= t_up and x.get("waiting") is not None], default=0.0)
+        wmax = max([x["inflight"] for ss in run.samples.values() for x in ss
+                    if x["t"] >= t_up and x.get("inflight") is not None], default=0.0)
         calls = run.calls()
         good_at = sorted(c.final.first_token for c in calls
                          if c.ok and c.ttft is not None and c.ttft * ts <= SLO_TTFT_S)
@@ -108,11 +118,11 @@ class S(Scenario):
         return {
             "recollapses": float(recollapses),
             "time_to_full_s": rnd(time_to_full, 2),
-            "replica_waiting_max_after": wmax,
+            "replica_inflight_max_after": wmax,
             "ttft_p95_after_s": rnd(pct([c.waited * ts for c in after], 95)),
         }
 
     def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
-        v, w = m.get("recollapses"), m.get("replica_waiting_max_after")
+        v, w = m.get("recollapses"), m.get("replica_inflight_max_after")
         ok = (v is not None and v >= 1) or (w is not None and w > OVER)
-        return ok, f"recollapses {v} (needs >= 1) or replica_waiting_max_after {w} (needs > {OVER})"
+        return ok, f"recollapses {v} (needs >= 1) or replica_inflight_max_after {w} (needs > {OVER})"

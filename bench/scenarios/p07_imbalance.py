@@ -1,31 +1,47 @@
 """P7 same replica count, very unequal pressure: round robin balances requests, not KV cache.
 
-Workload (4 replicas, tiny-cpu with 3,072 KV blocks = 49,152 tokens each, time_scale 1): a batch client cycles
-through four request types, one every 0.08 s: L long context (5,000 prompt tokens, 32 output), S short (300
-prompt, 16 output), G long generation (400 prompt, 300 output), T tiny (60 prompt, 4 output). Round robin hands
+Workload (4 replicas, tiny-cpu, time_scale 1): a batch client cycles through four request types: L long
+context (`prompt_for_ttft(0.5)`, the longest prompt whose prefill alone takes 0.5 s: 2,900 tokens at the
+calibrated preset, 48 output), S short (300 prompt, 16 output), G long generation (400 prompt, 300 output), T
+tiny (60 prompt, 4 output); prompts are unique (no shared prefix). It sends one every `PERIOD`, chosen so the
+pool runs at 0.6 of its compute capacity for that mix (`4 x mix_capacity_rps` with the preset's full KV cache,
+bench/capacity.py: one every 0.067 s at the calibrated preset). Each replica's KV
+cache holds 8 long-context requests (`--num-gpu-blocks blocks_for_tokens(8 x (2,900 + 48))` = 185 blocks of
+128 tokens at the calibrated preset): the long-context requests are what fills KV. Round robin hands
 each replica the same number of requests; with four replicas and a four-step cycle the same replica gets the
 same type (the document's model-01 long contexts, 02 short, 03 long generations, 04 idle). The gateway runs one
 Envoy worker thread (`gateway.envoy_concurrency: 1`, every system) so round robin is one rotation, as with one
 Nginx worker; with two workers the pattern is the same with noise.
 
-SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
+The pool as a whole has headroom (0.6), but round robin gives replica 0 every long-context request: about
+twice what that replica can serve.
+
+SLO: the first token within `slo_ttft_s(0.5 s)` (5x the TTFT alone of the largest prompt, rounded up: 3 s at
+the calibrated preset) of the user's first send (retries included) and the response completed.
 Classes: the four request types.
 
 Headline metrics: `slo_goodput_rps`, `kv_usage_spread` = time average over the load window of (max - min) KV
 usage across replicas, `kv_usage_max_mean` (time-averaged KV usage of the fullest replica), `ttft_p95_s`
 (every attempt, censored), `preemptions`. Reproduced on envoy-rr when kv_usage_spread >= 0.3.
-Sluice is told: the SLO (`admission.ttft_target_s: 1`); the placement score at its defaults.
+Sluice is told: the SLO (`admission.ttft_target_s`); the placement score at its defaults.
 The one Envoy worker thread (`gateway.envoy_concurrency: 1`) is environment: every Envoy-based system runs it.
 """
 
 from __future__ import annotations
 
 from bench.openloop import Arrival
+from bench.capacity import (EngineSpec, blocks_for_tokens, mix_capacity_rps, prompt_for_ttft, slo_ttft_s,
+                            ttft_alone_s)
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd
 
-TYPES = (("long-context", 6000, 48), ("short", 300, 16), ("long-generation", 400, 300), ("tiny", 60, 4))
-PERIOD = 0.08
-SLO_TTFT_S = 1.0
+_BASE = EngineSpec.of("tiny-cpu")
+LONG_PROMPT, LONG_OUT = prompt_for_ttft(_BASE, 0.5, 48), 48
+TYPES = (("long-context", LONG_PROMPT, LONG_OUT), ("short", 300, 16), ("long-generation", 400, 300),
+         ("tiny", 60, 4))
+KV_BLOCKS = blocks_for_tokens(_BASE, 8 * (LONG_PROMPT + LONG_OUT))
+SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
+PERIOD = round(1.0 / (0.6 * 4 * mix_capacity_rps(_BASE, [(1.0, p, o) for _k, p, o in TYPES])), 4)
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG_PROMPT))
 
 
 class S(Scenario):
@@ -34,9 +50,10 @@ class S(Scenario):
     problem = "same replica count, very unequal pressure"
     replicas = 4
     time_scale = 1.0
-    sim_args = ["--num-gpu-blocks", "3072"]
+    sim_args = ["--num-gpu-blocks", str(KV_BLOCKS)]
     gateway = {"envoy_concurrency": 1}
     slo_ttft_s = SLO_TTFT_S
+    derived_values = {"long prompt": LONG_PROMPT, "period (s)": PERIOD, "KV blocks": KV_BLOCKS}
     headline = ('slo_goodput_rps', 'kv_usage_spread', 'ttft_p95_s')
     metrics_doc = [
         Metric("kv_usage_spread", "time-averaged (max - min) KV usage across replicas", "fraction"),

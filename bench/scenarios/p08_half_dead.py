@@ -1,11 +1,15 @@
 """P8 half-dead replica: /health says 200, TTFT is 40 s.
 
-Workload (3 replicas, tiny-cpu, time_scale 1): requests of 500 prompt and 32 output tokens at 20/s (seeded
-Poisson, a third of the pool's capacity). At t=3 s replica 0 turns half-dead: the `slow` fault makes every
-engine step 20x longer (decode 150 -> 8 tokens/s, TTFT from tens of ms to seconds and growing) while its
-/health keeps answering 200 and it keeps accepting connections. Clients wait up to 15 s.
+Workload (3 replicas, tiny-cpu, time_scale 1): requests of 500 prompt (unique: no shared prefix) and 32
+output tokens at a third of the pool's capacity for them (`3 x capacity_rps(500, 32)`, bench/capacity.py: 27
+requests/s at the calibrated tiny-cpu; seeded Poisson). At t=3 s replica 0 turns half-dead: the `slow` fault
+makes every engine step 20x longer (its third of the load becomes 6.7x what it can serve: TTFT from tens of ms
+to seconds and growing) while its /health keeps answering 200 and it keeps accepting connections. Clients
+wait up to 30x the SLO (15 s).
 
-SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
+SLO: the first token within `slo_ttft_s(ttft_alone(500))` (5x the TTFT on an idle replica, at least 0.5 s,
+rounded up: 0.5 s at the calibrated preset) of the user's first send (retries included) and the response
+completed.
 Classes: `before` and `after` the fault (by the user request's first send).
 
 Headline metrics: `slo_goodput_rps`, `detect_s` = time from the fault until the gateway reports the replica
@@ -15,7 +19,7 @@ unhealthy (sluice: a sidecar metric `sluice_replica_state{replica=...,state!="he
 it), `sick_share_after_detect` = share of new requests sent to the sick replica after detection (when nothing is
 detected: after the fault starts; a fair share is 0.33), `ttft_p95_s` of attempts sent after the fault (censored).
 Reproduced on envoy-rr when sick_share_after_detect >= 0.25 (no detection, the sick replica keeps its share).
-Sluice is told: the SLO (`admission.ttft_target_s: 1`); business health (`routing.health`: the degraded TTFT
+Sluice is told: the SLO (`admission.ttft_target_s`); business health (`routing.health`: the degraded TTFT
 threshold, 15 s by default, TPS floor, error rate, drain, probe, slow start) at its defaults.
 """
 
@@ -24,9 +28,15 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
+from bench.capacity import EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
 SLOW = 20.0
+PROMPT, OUT = 500, 32
+SPEC = EngineSpec.of("tiny-cpu")
+RATE = pool_rps(SPEC, 3, PROMPT, OUT) / 3
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
+CLIENT_TIMEOUT_S = 30 * SLO_TTFT_S
 
 
 class S(Scenario):
@@ -37,7 +47,8 @@ class S(Scenario):
     time_scale = 1.0
     poll_sidecar = ("sluice_replica_state", "sluice_replica_healthy")
     poll_envoy = ("envoy_cluster_outlier_detection_ejections_active",)
-    slo_ttft_s = 1.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE, "client timeout (s)": CLIENT_TIMEOUT_S}
     headline = ('slo_goodput_rps', 'detect_s', 'sick_share_after_detect')
     metrics_doc = [
         Metric("detect_s", "fault -> the gateway reports the replica unhealthy (none: no signal)", "s"),
@@ -57,10 +68,10 @@ class S(Scenario):
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            arrivals.append(Arrival(at=t, body=chat(500, 32, salt=n), kind="user",
-                                    client=ClientSpec(timeout_s=15.0)))
+            arrivals.append(Arrival(at=t, body=chat(PROMPT, OUT, salt=n), kind="user",
+                                    client=ClientSpec(timeout_s=CLIENT_TIMEOUT_S)))
             n += 1
-            t += rng.expovariate(20.0)
+            t += rng.expovariate(RATE)
         return Workload(arrivals=arrivals, duration=duration, drain=3.0, faults=[Fault(t_fault, 0, "slow", SLOW)])
 
     def call_class(self, call: Call, run: RunData) -> str:

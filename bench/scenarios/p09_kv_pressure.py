@@ -1,21 +1,27 @@
 """P9 KV cache pressure: no more requests, but mixed long and short contexts make preemption (vLLM's OOM) sudden.
 
-Workload (2 replicas, tiny-cpu with 768 KV blocks = 12,288 tokens each, time_scale 1): 6 requests/s all along
-(seeded Poisson), short (300 prompt, 24 output tokens) or long (3,000 prompt, 240 output tokens). For the first
-4 s (quick; 10 s full) one request in ten is long and everything is fine; then the mix changes to one in two
-long at the same request rate. Compute stays far from saturated (a "GPU at 70 %" view says there is headroom),
+Workload (2 replicas, tiny-cpu, time_scale 1): short (300 prompt, 24 output tokens) or long (3,000 prompt, 240
+output tokens) requests, unique prompts (no shared prefix), at 0.7 of the pool's compute capacity for the late
+mix (the document's "GPU at 70 %": `2 x mix_capacity_rps` of one long in two with the preset's full KV cache,
+bench/capacity.py: 3.2 requests/s at the calibrated tiny-cpu;
+seeded Poisson) all along. Each replica's KV cache holds 3.8 long requests at their full length
+(`--num-gpu-blocks blocks_for_tokens(3.8 x 3,240)` = 97 blocks of 128 tokens at the calibrated preset: the
+document's "one long request more than fits"). For the first 4 s (quick; 10 s full) one request in ten is
+long and everything is fine; then the mix changes to one in two long at the same request rate. Compute stays
+far from saturated (a "GPU at 70 %" view says there is headroom),
 but the long requests' KV grows with every decoded token; vLLM admits new prompts while their first chunk
 fits, so running requests later run out of blocks and are preempted (their KV dropped, recomputed later): the
 simulator's stand-in for the sudden OOM. Preemption lengthens every request, which raises KV use further.
 
-SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
+SLO: the first token within `slo_ttft_s(ttft_alone(3,000))` (5x the TTFT alone of the long prompt, rounded up:
+3 s at the calibrated preset) of the user's first send (retries included) and the response completed.
 Classes: `short` and `long` requests.
 
 Headline metrics: `slo_goodput_rps`, `preemptions` (vllm:num_preemptions_total summed), `ttft_p99_s` (every
 attempt; one still waiting for its first token when the run ends counts with the time it waited, a lower bound),
 `kv_usage_max`, `slo_miss`, `ttft_p99_before_s` (the calm phase).
 Reproduced on envoy-rr when preemptions >= 10.
-Sluice is told: the SLO (`admission.ttft_target_s: 1`); the KV margin at its default (`admission.kv_margin`
+Sluice is told: the SLO (`admission.ttft_target_s`); the KV margin at its default (`admission.kv_margin`
 0.1: admit on KV free vs the request's footprint, keeping 10 % free).
 """
 
@@ -24,9 +30,15 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
+from bench.capacity import EngineSpec, blocks_for_tokens, mix_capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, ttfts_censored
 
-SLO_TTFT_S = 1.0
+SHORT, LONG = (300, 24), (3000, 240)
+_BASE = EngineSpec.of("tiny-cpu")  # the engine's compute, with the preset's full KV cache
+KV_BLOCKS = blocks_for_tokens(_BASE, round(3.8 * sum(LONG)))
+SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
+RATE = 0.7 * 2 * mix_capacity_rps(_BASE, [(0.5, *SHORT), (0.5, *LONG)])  # "GPU at 70 %": KV is what runs out
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG[0]))
 
 
 class S(Scenario):
@@ -35,8 +47,9 @@ class S(Scenario):
     problem = "KV cache fragmentation makes OOM sudden"
     replicas = 2
     time_scale = 1.0
-    sim_args = ["--num-gpu-blocks", "768"]
+    sim_args = ["--num-gpu-blocks", str(KV_BLOCKS)]
     slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE, "KV blocks": KV_BLOCKS}
     headline = ('slo_goodput_rps', 'preemptions', 'ttft_p99_s')
     metrics_doc = [
         Metric("preemptions", "vLLM preemptions summed over replicas", ""),
@@ -48,7 +61,7 @@ class S(Scenario):
     ]
 
     def phases(self, quick: bool) -> tuple[float, float]:
-        return (4.0, 11.0) if quick else (10.0, 40.0)
+        return (4.0, 15.0) if quick else (10.0, 40.0)
 
     def workload(self, quick: bool) -> Workload:
         t_mix, duration = self.phases(quick)
@@ -57,10 +70,10 @@ class S(Scenario):
         t, n = 0.1, 0
         while t < duration:
             long_ = rng.random() < (0.1 if t < t_mix else 0.5)
-            body = chat(3000, 240, salt=n) if long_ else chat(300, 24, salt=n)
+            body = chat(*LONG, salt=n) if long_ else chat(*SHORT, salt=n)
             arrivals.append(Arrival(at=t, body=body, kind="long" if long_ else "short"))
             n += 1
-            t += rng.expovariate(6.0)
+            t += rng.expovariate(RATE)
         return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:

@@ -1,12 +1,18 @@
 """P10 a business changes its prompt and capacity drops: same users, same QPS, much lower throughput.
 
-Workload (2 replicas, tiny-cpu, time_scale 1): one app (`x-sluice-app: agent-x`) sends 5 requests/s (seeded
-Poisson), 48 output tokens each. Before the change its prompt is system 330 + knowledge 500 + user 170 = about
-1,000 tokens (the document's 2K + 3K + 1K, divided by 6 for the tiny model); at t=5 s (quick) the app ships a
-new prompt: system 1,330 + knowledge 1,670 + history 2,500 = about 5,500 tokens (8K + 10K + 15K, divided by 6).
-QPS and users do not change; the pool's capacity for this app drops below the offered 5/s.
+Workload (2 replicas, tiny-cpu, time_scale 1): one app (`x-sluice-app: agent-x`) sends 48 output tokens per
+request at twice the pool's capacity for the NEW prompt (`2 x 2 x capacity_rps(5500, 48)`, bench/capacity.py:
+2.3 requests/s at the calibrated tiny-cpu, a tenth of the pool's capacity for the old prompt; seeded
+Poisson). Before the change its prompt is system 330 + knowledge 500 + user 170 = about 1,000 tokens (the
+document's 2K + 3K + 1K, divided by 6 for the tiny model); at t=5 s (quick) the app ships a new prompt: system
+1,330 + knowledge 1,670 + history 2,500 = about 5,500 tokens (8K + 10K + 15K, divided by 6). QPS and users do
+not change; the pool's capacity for this app drops to half the offered rate. Every prompt is unique from its
+first token (the request's salt leads the system prompt): the prefix cache plays no part, so the cost model's
+capacity for a 5,500-token prompt is the true one.
 
-SLO: the first token within 2 s of the user's first send (retries included) and the response completed.
+SLO: the first token within `slo_ttft_s(ttft_alone(5,500))` (5x the new prompt's TTFT on an idle replica,
+rounded up: 8 s at the calibrated preset; the user keeps one SLO that the new prompt can meet) of the user's
+first send (retries included) and the response completed.
 Classes: `before` and `after` the change.
 
 Headline metrics: `slo_goodput_rps`, `detect_s` = time from the change until the gateway reports the shift
@@ -20,7 +26,7 @@ Also `rejected_after` (attempts of the new prompt answered 4xx/5xx), `cost_ratio
 after / before, from usage), `ttft_p95_before_s`, `ttft_p95_after_s` (attempts, censored).
 Reproduced on envoy-rr when ttft_p95_after_s / ttft_p95_before_s >= 3 at unchanged QPS and no system signal
 (detect_s null).
-Sluice is told: the SLO (`admission.ttft_target_s: 2`). The prompt-shift detector runs at its shipped defaults
+Sluice is told: the SLO (`admission.ttft_target_s`). The prompt-shift detector runs at its shipped defaults
 (`budgets.prompt_shift`: enabled, threshold 0.3, baseline_requests 20, sustain_requests 5); responses are not
 observed (`streaming.sample_rate` 0, the default): prompt estimates are calibrated from the engines' counters.
 """
@@ -31,7 +37,7 @@ import random
 from typing import Any
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, capacity_rps
+from bench.capacity import EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import MODEL, Metric, RunData, Scenario, Workload, mean, pct, rnd, text_of
 
 SHIFT_METRIC = "sluice_prompt_shift_events_total"
@@ -40,11 +46,14 @@ CAPACITY_METRIC = "sluice_prompt_capacity_requests_per_second"
 
 OUTPUT = 48
 AFTER_PROMPT = 5500  # system 1,330 + knowledge 1,670 + history 2,500 (the usage's count replaces it when known)
+SPEC = EngineSpec.of("tiny-cpu")
+RATE = 2 * 2 * capacity_rps(SPEC, AFTER_PROMPT, OUTPUT)
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, AFTER_PROMPT))
 
 
 def body(system: int, knowledge: int, user: int, salt: int) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": OUTPUT, "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": text_of(system - 4, 1000 + system)},
+            "messages": [{"role": "system", "content": text_of(system - 4, salt)},
                          {"role": "system", "content": text_of(knowledge - 4, 2000 + knowledge)},
                          {"role": "user", "content": text_of(user - 8, salt)}]}
 
@@ -56,7 +65,8 @@ class S(Scenario):
     replicas = 2
     time_scale = 1.0
     poll_sidecar = (SHIFT_METRIC, CAPACITY_METRIC)
-    slo_ttft_s = 2.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"rate (req/s)": RATE}
     headline = ('slo_goodput_rps', 'detect_s', 'capacity_estimate_error')
     metrics_doc = [
         Metric("detect_s", "prompt change -> the gateway reports the shift (none: no signal)", "s"),
@@ -84,7 +94,7 @@ class S(Scenario):
             arrivals.append(Arrival(at=t, body=b, kind="after" if after else "before",
                                     headers={"x-sluice-app": "agent-x"}))
             n += 1
-            t += rng.expovariate(5.0)
+            t += rng.expovariate(RATE)
         return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:

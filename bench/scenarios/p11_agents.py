@@ -1,14 +1,21 @@
 """P11 agents amplify traffic: one task makes dozens of LLM calls and one tenant eats the pool.
 
 Workload (2 replicas, tiny-cpu, time_scale 1): tenant `interactive` sends chat requests of 300 prompt and 24
-output tokens at 6/s (seeded Poisson) all along (`x-sluice-tenant: interactive`). From t=2 s tenant `agents`
-starts an agent task every 0.5 s; a task calls the model in a loop (planner, tools, reflection...), each call
-sent when the previous answered, up to 30 calls (multi-agent 20-50 in the document), its context growing by
-150 tokens per step from 600, 16 output tokens. Calls carry `x-sluice-tenant: agents`, `x-sluice-task-id` and
+output tokens at 5 % of the pool's capacity for them (`2 x capacity_rps(300, 24)`, bench/capacity.py: 4.9
+requests/s at the calibrated tiny-cpu; seeded Poisson) all along (`x-sluice-tenant: interactive`). From t=2 s
+tenant `agents` starts an agent task every `TASK_EVERY_S`; a task calls the model in a loop (planner, tools,
+reflection...), each call sent when the previous answered, up to 30 calls (multi-agent 20-50 in the document),
+its context growing by 60 tokens per step (a tool result) from 300, 16 output tokens. `TASK_EVERY_S` is chosen
+so that the tasks, run to their end, would offer 1.5x the pool's capacity (the sum of `1 / capacity_rps` over
+a task's 30 calls, per replica: a task every 1.2 s at the calibrated preset). Prompts are unique (no shared
+prefix: an agent's context is resent, but each call's salt leads it, so the prefix cache plays no part here;
+PX is the scenario about prefixes). Calls carry `x-sluice-tenant: agents`, `x-sluice-task-id` and
 `x-sluice-task-depth` (the step). A call refused by the gateway (4xx) ends its task, as an agent framework
 surfaces the budget error.
 
-SLO: the first token within 1 s of the user's first send (retries included) and the response completed.
+SLO: the first token within `slo_ttft_s(ttft_alone(720))` (5x the TTFT alone of the largest prompt the SLO
+covers, the task budget's last call, at least 0.5 s, rounded up: 0.5 s at the calibrated preset) of the user's
+first send (retries included) and the response completed.
 Classes: `interactive`; `agent` for a task's first TASK_CALLS calls (within the task budget below);
 `agent-beyond-budget` for its later calls: the class sluice refuses by design (`refused_classes`), left out of
 `worst_class_ratio`.
@@ -18,8 +25,8 @@ Headline metrics: `slo_goodput_rps`, `max_calls_per_task` (calls that got an ans
 (interactive tenant while agents run), `other_tenant_ttft_p95_idle_s` (before they start), `tasks_refused`
 (tasks stopped by a budget).
 Reproduced on envoy-rr when max_calls_per_task >= 20 and the interactive tenant's p95 TTFT at least doubles.
-Sluice is told: the SLO (`admission.ttft_target_s: 1`) and the agents' task budget, a deployment fact
-(`budgets.tasks`: max_calls 8, max_tokens 20,000 per task). The tenants are named by `x-sluice-tenant` (trusted
+Sluice is told: the SLO (`admission.ttft_target_s`) and the agents' task budget, a deployment fact
+(`budgets.tasks`: max_calls 8, max_tokens twice what 8 calls of the task use: 8,416 at these sizes). The tenants are named by `x-sluice-tenant` (trusted
 by default). Deployment topology, also a fact: two sidecar processes (`sidecar.workers: 2`) share the budgets
 through a redis-server the harness starts (`budgets.store`), so `max_calls_per_task` == 8 shows the limit holding
 across sidecars.
@@ -30,18 +37,27 @@ from __future__ import annotations
 import random
 import zlib
 
+from bench.capacity import EngineSpec, capacity_rps, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import Call, Metric, RunData, Scenario, Workload, chat, pct, rnd
 
 MAX_CALLS = 30
-TASK_CALLS, TASK_TOKENS = 8, 20000  # the agents' task budget (a deployment fact sluice is told)
+CTX0, CTX_STEP, CALL_OUT = 300, 60, 16
+INTERACTIVE = (300, 24)
+SPEC = EngineSpec.of("tiny-cpu")
+INTERACTIVE_RPS = 0.05 * pool_rps(SPEC, 2, *INTERACTIVE)
+_TASK_SECONDS = sum(1.0 / capacity_rps(SPEC, CTX0 + CTX_STEP * k, CALL_OUT) for k in range(MAX_CALLS))
+TASK_EVERY_S = round(_TASK_SECONDS / (1.5 * 2), 2)  # engine-seconds per task / (1.5 x replicas)
+TASK_CALLS = 8  # the agents' task budget (a deployment fact sluice is told) ...
+TASK_TOKENS = 2 * sum(CTX0 + CTX_STEP * k + CALL_OUT for k in range(TASK_CALLS))  # ... and its tokens
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, CTX0 + CTX_STEP * (TASK_CALLS - 1)))
 
 
 def agent_script(task: str, steps: int):
     async def script(ctx: Ctx) -> None:
         for step in range(steps):
             headers = {"x-sluice-tenant": "agents", "x-sluice-task-id": task, "x-sluice-task-depth": str(step)}
-            rec = await ctx.call(chat(600 + 150 * step, 16, salt=zlib.crc32(f"{task}/{step}".encode()) & 0xFFFFFF), headers=headers,
+            rec = await ctx.call(chat(CTX0 + CTX_STEP * step, CALL_OUT, salt=zlib.crc32(f"{task}/{step}".encode()) & 0xFFFFFF), headers=headers,
                                  kind="agent", group=task)
             if not rec.ok:
                 return
@@ -57,11 +73,13 @@ class S(Scenario):
     # Two sidecar processes share the task budgets through a real Redis: the limit must hold exactly across them.
     sidecar = {"workers": 2}
     redis = True
-    slo_ttft_s = 1.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"interactive (req/s)": INTERACTIVE_RPS, "task every (s)": TASK_EVERY_S,
+                      "task tokens": TASK_TOKENS}
     sluice_facts = {"budgets": {"tasks": {"max_calls": TASK_CALLS, "max_tokens": TASK_TOKENS}}}
     refused_classes = ("agent-beyond-budget",)
     # typical requests per tenant (the agents' mean over a whole task), for envoy-tuned's per-tenant rate limit
-    tenant_requests = {"interactive": (300, 24), "agents": (600 + 150 * (MAX_CALLS - 1) // 2, 16)}
+    tenant_requests = {"interactive": INTERACTIVE, "agents": (CTX0 + CTX_STEP * (MAX_CALLS - 1) // 2, CALL_OUT)}
     headline = ('slo_goodput_rps', 'max_calls_per_task', 'other_tenant_ttft_p95_s')
     metrics_doc = [
         Metric("max_calls_per_task", "answered calls of the busiest task", "calls"),
@@ -81,16 +99,16 @@ class S(Scenario):
         arrivals = []
         t, n = 0.1, 0
         while t < duration:
-            arrivals.append(Arrival(at=t, body=chat(300, 24, salt=n), kind="interactive",
+            arrivals.append(Arrival(at=t, body=chat(*INTERACTIVE, salt=n), kind="interactive",
                                     headers={"x-sluice-tenant": "interactive"}))
             n += 1
-            t += rng.expovariate(6.0)
+            t += rng.expovariate(INTERACTIVE_RPS)
         t, k = t_agents, 0
         while t < duration - 1.0:
             task = f"task-{k:04d}"
             arrivals.append(Arrival(at=t, kind="agent", group=task, script=agent_script(task, MAX_CALLS)))
             k += 1
-            t += 0.5
+            t += TASK_EVERY_S
         return Workload(arrivals=arrivals, duration=duration, drain=4.0)
 
     def call_class(self, call: Call, run: RunData) -> str:

@@ -2,14 +2,17 @@
 
 Workload (2 replicas, tiny-cpu, time_scale 1): 1,000 streaming requests (quick; 5,000 full) open over 5 s (10 s
 full) and stay open: 20 prompt tokens, 400 output tokens. The replicas are made big enough to hold every stream
-the gateway lets through (`--max-num-seqs 4096 --num-gpu-blocks 200000 --max-num-batched-tokens 16384`, and
-`--fault slow=3` so thousands of streams flow at about a token per second each and last the whole run): the
-gateway must run out first. The gateway's connection capacity is `gateway.max_downstream_connections` = 800
+the gateway lets through (`--max-num-seqs 4096`, a KV cache for every stream at full length, blocks of the
+preset's size, `--max-num-batched-tokens 16384`, and `--fault slow=K` with K chosen from the preset's decode
+cost so that the quick run's streams, half on each replica, flow at about one token per second each, and last
+the whole run): the gateway must run out first. Prompts are unique (no shared prefix). The gateway's connection capacity is `gateway.max_downstream_connections` = 800
 (quick; 4,000 full), the same for every system: Envoy's overload manager closes connections beyond it at
 accept. The harness raises RLIMIT_NOFILE to 12,000 (the stack it starts inherits it).
 
-SLO: the first token within 2 s of the user's first send (retries included) and the stream still flowing (or
-completed) when the run ends: the streams are built to outlive the run. Class: `stream`.
+SLO: the first token within `slo_ttft_s(one engine step with every quick stream decoding)` (5x the time a
+new stream waits for the next step of such an engine, rounded up: about 5 s at the calibrated preset) of the
+user's first send (retries included) and the stream still flowing (or completed) when the run ends: the
+streams are built to outlive the run. Class: `stream`.
 
 Headline metrics: `slo_goodput_rps`, `open_streams_max` (streams open at once with a 200, client view),
 `rejected` (attempts that did not get a stream), `rejected_clean` (share of rejections that were clean HTTP
@@ -19,7 +22,7 @@ streams that received tokens), `gateway_kb_per_open_stream` (gateway RSS growth,
 during the run: Envoy + sidecar, or smg). Reproduced on envoy-rr when streams were rejected and less than half
 of the rejections were clean.
 Every stream carries `x-sluice-tenant: streams`.
-Sluice is told: the SLO (`admission.ttft_target_s: 2`). Its open-request cap is derived by default
+Sluice is told: the SLO (`admission.ttft_target_s`). Its open-request cap is derived by default
 (`sidecar.max_open_requests` 0: 90 % of the connection limit), so it answers the excess with a clean 429 before
 Envoy runs out of connections; admission (`max_concurrency_per_replica` 64, the waiting and TTFT limits) at its
 defaults. The connection limit (`gateway.max_downstream_connections`) is environment: every Envoy-based system
@@ -28,8 +31,17 @@ gets it; smg has no such setting and runs with its own defaults.
 
 from __future__ import annotations
 
+from bench.capacity import EngineSpec, blocks_for_tokens, decode_tok_s, slo_ttft_s
 from bench.openloop import Arrival, ClientSpec
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
+
+PROMPT, OUT = 20, 400
+QUICK_STREAMS, FULL_STREAMS = 1000, 5000
+_BASE = EngineSpec.of("tiny-cpu")
+_PER_REPLICA = QUICK_STREAMS // 2
+SLOW = max(1, round(decode_tok_s(_BASE, _PER_REPLICA, PROMPT + OUT // 2)))  # -> ~1 token/s per stream
+KV_BLOCKS = blocks_for_tokens(_BASE, FULL_STREAMS * (PROMPT + OUT + 64))
+SLO_TTFT_S = slo_ttft_s(SLOW / decode_tok_s(_BASE, _PER_REPLICA, PROMPT + OUT // 2))
 
 
 class S(Scenario):
@@ -42,11 +54,12 @@ class S(Scenario):
     # "GPU"): thousands of sequences and KV blocks, a prefill budget that starts a whole arrival burst in one
     # step, and every step 3x slower so thousands of streams flow at about one token per second (cheap for the
     # simulator, Envoy and the load generator on a small machine).
-    sim_args = ["--max-num-seqs", "4096", "--num-gpu-blocks", "200000", "--max-num-batched-tokens", "16384",
-                "--fault", "slow=3"]
+    sim_args = ["--max-num-seqs", "4096", "--num-gpu-blocks", str(KV_BLOCKS), "--max-num-batched-tokens", "16384",
+                "--fault", f"slow={SLOW}"]
     rss_poll = True
     nofile = 12000
-    slo_ttft_s = 2.0
+    slo_ttft_s = SLO_TTFT_S
+    derived_values = {"slow factor": SLOW, "KV blocks": KV_BLOCKS}
     streams_outlive_run = True
     headline = ('slo_goodput_rps', 'rejected_clean', 'open_streams_max')
     metrics_doc = [
@@ -71,9 +84,9 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         self._quick = quick
-        n, ramp, duration = (1000, 5.0, 9.0) if quick else (5000, 10.0, 20.0)
+        n, ramp, duration = (QUICK_STREAMS, 5.0, 9.0) if quick else (FULL_STREAMS, 10.0, 20.0)
         spec = ClientSpec(timeout_s=60.0)
-        arrivals = [Arrival(at=0.1 + ramp * i / n, body=chat(20, 400, salt=i), kind="stream", client=spec,
+        arrivals = [Arrival(at=0.1 + ramp * i / n, body=chat(PROMPT, OUT, salt=i), kind="stream", client=spec,
                             headers={"x-sluice-tenant": "streams"}) for i in range(n)]
         return Workload(arrivals=arrivals, duration=duration, drain=0.5)
 

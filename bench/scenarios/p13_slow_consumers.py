@@ -1,9 +1,10 @@
 """P13 upstream faster than downstream: slow stream readers.
 
 Workload (2 replicas, tiny-cpu, time_scale 1): 100 slow streams (10 s quick; 30 s full) ask for 1,500 output tokens
-(the replica produces about 150 tokens/s per stream) and read 256 bytes every 0.25 s (about 5 tokens/s: a slow
-WebSocket bridge or mobile network), with a 16 KiB socket receive buffer; 20 normal streams of 200 tokens read
-at full speed alongside. Envoy's per-connection buffer limit (64 KiB, `gateway.buffer_limit_bytes`) and a
+(with 60 streams decoding, a replica produces `decode_tok_s(60)` = about 54 tokens/s per stream at the
+calibrated preset, bench/capacity.py) and read 256 bytes every 0.25 s (about 5 tokens/s: a slow WebSocket
+bridge or mobile network), with a 16 KiB socket receive buffer; 20 normal streams of 200 tokens read at full
+speed alongside. Prompts are unique (no shared prefix). Envoy's per-connection buffer limit (64 KiB, `gateway.buffer_limit_bytes`) and a
 16 KiB socket send buffer toward clients (`gateway.socket_send_buffer_bytes`), both for every system, pause
 reading from the replica when a slow client's buffers fill, so gateway memory stays bounded, but nothing cuts
 the slow streams: the replica keeps generating tokens nobody will read in time.
@@ -19,7 +20,7 @@ run's end; a cut client may only notice once it has drained its buffers), `unrea
 generated that no client read) and its share of all generated, `gateway_rss_mb_per_slow_stream` (gateway RSS
 growth during the run / slow streams).
 Reproduced on envoy-rr when no slow stream was cut and more than half of the generated tokens went unread.
-Sluice is told: the SLO (`admission.ttft_target_s: 1`). Slow-consumer cutting (`streaming.slow_consumer`) is
+Sluice is told: the SLO (`admission.ttft_target_s`). Slow-consumer cutting (`streaming.slow_consumer`) is
 off by default (`min_bytes_per_s` 0), so sluice runs without it here. The 16 KiB socket send buffer toward
 clients (`gateway.socket_send_buffer_bytes`) and the 64 KiB buffer limit are environment: every Envoy-based
 system gets them.
@@ -27,8 +28,11 @@ system gets them.
 
 from __future__ import annotations
 
+from bench.capacity import EngineSpec, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival, ClientSpec
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
+
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(EngineSpec.of("tiny-cpu"), 300))
 
 
 class S(Scenario):
@@ -40,7 +44,7 @@ class S(Scenario):
     rss_poll = True
     client_rcvbuf = 16384
     gateway = {"socket_send_buffer_bytes": 16384}
-    slo_ttft_s = 1.0
+    slo_ttft_s = SLO_TTFT_S
     headline = ('slo_goodput_rps', 'normal_ttft_p95_s', 'slow_streams_cut')
     metrics_doc = [
         Metric("gateway_rss_mb_per_slow_stream", "gateway RSS growth / slow streams", "MB"),

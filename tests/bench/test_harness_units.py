@@ -84,7 +84,7 @@ def test_scan_events_after_the_clients_timeout_counts_late_tokens_only():
 
 def test_variants_sort_after_their_problem_and_names_are_case_insensitive():
     ids = [s.id for s in get_scenarios(["all"])]
-    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-1] == "P13"
+    assert ids.index("P4n") == ids.index("P4") + 1 and ids[-2:] == ["P13", "PX"]
     assert [s.id for s in get_scenarios(["p4N", "P10", "p4"])] == ["P4", "P4n", "P10"]
     p4, p4n = get_scenarios(["P4", "P4n"])
     assert "no-abort" not in p4.sim_args and p4n.sim_args == ["--fault", "no-abort"]
@@ -162,7 +162,7 @@ REQUIRED_KEYS = {
     "P4": {"ghost_tokens", "ghost_tokens_per_cancel"},
     "P4n": {"ghost_tokens", "ghost_tokens_per_cancel", "wasted_tokens"},
     "P5": {"amplification", "goodput_rps"},
-    "P6": {"recollapses", "time_to_full_s", "replica_waiting_max_after"},
+    "P6": {"recollapses", "time_to_full_s", "replica_inflight_max_after"},
     "P7": {"kv_usage_spread", "ttft_p95_s"},
     "P8": {"detect_s", "sick_share_after_detect", "ttft_p95_s"},
     "P9": {"preemptions", "ttft_p99_s"},
@@ -170,6 +170,7 @@ REQUIRED_KEYS = {
     "P11": {"max_calls_per_task", "max_tokens_per_task", "other_tenant_ttft_p95_s"},
     "P12": {"open_streams_max", "rejected_clean", "gateway_rss_mb"},
     "P13": {"gateway_rss_mb_per_slow_stream", "slow_streams_cut"},
+    "PX": {"prefix_hit_rate", "best_achievable_hit_rate", "ttft_p95_s", "kv_usage_max"},
 }
 
 
@@ -301,7 +302,7 @@ def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """run_scenarios with the stack replaced by canned runs: layout {P: {system: {metric: value}}, _meta}."""
     import bench.runner as runner
 
-    def fake_run_one(sc, system, quick, seed, workdir):
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
         run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
         run.records = [rec(start=0.0, first_token=0.1, end=0.2, status=200, done=True, kind="short")]
         return run, {"system": system, "notes": [], "wall_s": 0.1}

@@ -7,11 +7,9 @@ use `redis_proc` (their own server); the rest share one session server and isola
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
@@ -21,8 +19,8 @@ import pytest_asyncio
 from extproc.budgets import BudgetPolicy, Budgets
 from extproc.config import parse_section
 from extproc.request import LLMRequest
-
-REDIS_BIN = shutil.which("redis-server")
+from tests.tools import tool
+from tests.waiting import wait_for
 
 
 def free_port() -> int:
@@ -43,24 +41,23 @@ class RedisProc:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        assert REDIS_BIN, "redis-server not installed (apt-get install redis-server)"
         self.proc = subprocess.Popen(
-            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [tool("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer PING within 5 s")
+        if not wait_for(self._answers_ping, 5.0, 0.02):
+            raise RuntimeError("redis-server did not answer PING within 5 s")
+
+    def _answers_ping(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -73,17 +70,8 @@ class RedisProc:
         os.kill(self.proc.pid, sig)
 
 
-def _need_redis() -> None:
-    """Skip without redis-server locally; in CI (CI=true) a missing server is a failure, not a silent skip."""
-    if not REDIS_BIN:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server not installed: apt-get install -y redis-server")
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisProc]:
-    _need_redis()
     r = RedisProc()
     r.start()
     yield r
@@ -93,7 +81,6 @@ def redis_server() -> Iterator[RedisProc]:
 @pytest.fixture
 def redis_proc() -> Iterator[RedisProc]:
     """A private server for tests that kill or pause it."""
-    _need_redis()
     r = RedisProc()
     r.start()
     yield r

@@ -8,6 +8,7 @@ import pytest
 
 from extproc.budgets import BudgetExceeded, BudgetPolicy, Budgets
 from extproc.config import parse_section
+from tests.waiting import wait_for_async
 
 from .conftest import req
 
@@ -81,6 +82,12 @@ def test_budget_exceeded_headers() -> None:
     assert e.headers() == [("x-should-retry", "false")] and e.err_type == "conflict_error"
 
 
+def store_idle(b: Budgets) -> bool:
+    """The Redis store has no call queued or running (its batches ran, their compensations too)."""
+    store = b.store
+    return not store._batch and store._running == 0 and not store._kick_scheduled
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("make_budgets", ["redis"], indirect=True)
 @pytest.mark.parametrize("steps, compensated", [(1, 0), (3, 1)])
@@ -92,11 +99,11 @@ async def test_cancelled_admit_does_not_pin_a_duplicate(make_budgets, steps: int
     body = b"\x0a" * 16
     task = asyncio.ensure_future(b.admit(req(400, 400, body=body, task_id="t"), now=T0))
     for _ in range(steps):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # `steps` loop steps: how far the admit got when its client leaves
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)       # the batch ran; a compensation settle ran after it
+    await wait_for_async(lambda: store_idle(b))  # the batch ran; a compensation settle ran after it
     assert b.store.stats()["compensated"] == compensated
     c = await b.admit(req(400, 400, body=body, task_id="t"), now=T0 + 1)
     assert c.backend == "redis"
@@ -120,7 +127,7 @@ async def test_sync_variants(make_budgets) -> None:
             b.admit_sync(req())
         c = await b.admit(req(idempotency_key="sync-k"), now=T0)
         b.settle_sync(c, completed=True, prompt_tokens=1, completion_tokens=1, now=T0)  # scheduled on the loop
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: c.settled)
         assert c.settled and (await b.admit(req(idempotency_key="sync-k"), now=T0)).is_retry
         return
     assert b.is_sync

@@ -11,21 +11,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from extproc.budgets import BudgetExceeded, Budgets
+from tests.waiting import wait_for_async as _wait_for
 
 from .conftest import RedisProc, policy, req
 
 
 def _sample(name: str, labels: dict | None = None) -> float:
     return REGISTRY.get_sample_value(name, labels or {}) or 0.0
-
-
-async def _wait_for(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        await asyncio.sleep(0.02)
-    return cond()
 
 
 def _budgets(r: RedisProc, **extra) -> Budgets:
@@ -53,7 +45,7 @@ async def test_kill_and_restart_under_load(redis_proc: RedisProc, caplog: pytest
             try:
                 c = await b.admit(req(tenant=f"load-{w}"))
                 backends.append(c.backend)
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.001)  # the request's run time between its admit and its settle
                 await b.settle(c, completed=True, prompt_tokens=10, completion_tokens=5)
             except BudgetExceeded:
                 pass
@@ -62,7 +54,7 @@ async def test_kill_and_restart_under_load(redis_proc: RedisProc, caplog: pytest
                 return
 
     workers = [asyncio.create_task(worker(w)) for w in range(16)]
-    await asyncio.sleep(0.2)
+    await _wait_for(lambda: len(backends) >= 16, 2.0)  # the load runs
     assert backends and set(backends) == {"redis"}
 
     redis_proc.kill()                                   # mid-load
@@ -91,7 +83,7 @@ async def test_kill_and_restart_under_load(redis_proc: RedisProc, caplog: pytest
     assert _sample("sluice_budget_store_fallback_active") == 0.0
     assert _sample("sluice_budget_store_fallback_transitions_total", {"direction": "exit"}) - exit0 == 1
     n = len(backends)
-    await asyncio.sleep(0.2)
+    await _wait_for(lambda: "redis" in backends[n:], 2.0)  # the load runs on Redis again
     stop.set()
     await asyncio.gather(*workers)
     assert not unexpected, unexpected[:3]

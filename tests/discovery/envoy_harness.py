@@ -16,10 +16,12 @@ import yaml
 
 from extproc.supervisor import free_ports
 from extproc.xds import envoy_binary
+from tests.waiting import wait_for
 
 
 class Backend:
-    """An HTTP/1.1 server answering `<ip:port>` (its own address); `/slow` waits `slow_s` first."""
+    """An HTTP/1.1 server answering `<ip:port>` (its own address); `/slow` waits `slow_s` first (and sets
+    `slow_started` when it begins to)."""
 
     def __init__(self, host: str = "127.0.0.1", slow_s: float = 2.0) -> None:
         outer = self
@@ -32,7 +34,8 @@ class Backend:
                 if length:
                     self.rfile.read(length)
                 if self.path.startswith("/slow"):
-                    time.sleep(outer.slow_s)
+                    outer.slow_started.set()
+                    time.sleep(outer.slow_s)  # the slow replica: a request that stays in flight this long
                 body = outer.address.encode()
                 self.send_response(200)
                 self.send_header("content-type", "text/plain")
@@ -46,6 +49,7 @@ class Backend:
                 pass
 
         self.slow_s = slow_s
+        self.slow_started = threading.Event()
         self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.address = f"{host}:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -71,17 +75,15 @@ class Envoy:
         self.proc = subprocess.Popen([envoy_binary(), "-c", str(self.bootstrap), "--disable-hot-restart",
                                       "-l", "warning"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=0.5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("Envoy did not become ready:\n" + self.log())
+        assert wait_for(lambda: self._ready(admin_port), 20), "Envoy did not become ready:\n" + self.log()
+
+    def _ready(self, admin_port: int) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, self.log()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=0.5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def log(self) -> str:
         path = self.dir / "envoy.log"

@@ -18,11 +18,10 @@ Everything a test starts under `command()` sees the test files; everything else 
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from pathlib import Path
 
-UNSHARE = shutil.which("unshare")
+from tests.tools import tool
+from tests.waiting import wait_for
 
 
 class HostsNamespace:
@@ -46,16 +45,22 @@ class HostsNamespace:
         before = self.nss.stat().st_mtime_ns if self.nss.exists() else 0
         with open(self.nss, "w") as fh:
             fh.write(f"hosts: {hosts_line}\n")
-        while self.nss.stat().st_mtime_ns == before:  # glibc notices a change by mtime
-            time.sleep(0.01)
+
+        def mtime_changed() -> bool:  # glibc notices a change by mtime
+            if self.nss.stat().st_mtime_ns != before:
+                return True
             os.utime(self.nss)
+            return self.nss.stat().st_mtime_ns != before
+
+        assert wait_for(mtime_changed, 2.0, 0.01), f"{self.nss}: mtime does not change"
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` wrapped to run inside a private mount namespace with the test files mounted."""
-        assert UNSHARE, "util-linux unshare is required (apt-get install util-linux)"
+        unshare = tool("unshare")
+        tool("mount")  # run by the script, inside the namespace
         script = ("mount --bind \"$1\" /etc/hosts && mount --bind \"$2\" /etc/resolv.conf && "
                   "mount --bind \"$3\" /etc/nsswitch.conf && shift 3 && exec \"$@\"")
         flags = ["--mount", "--propagation", "private"]
         if os.geteuid() != 0:
             flags.insert(0, "--map-root-user")
-        return [UNSHARE, *flags, "sh", "-c", script, "sh", str(self.hosts), str(self.resolv), str(self.nss), *argv]
+        return [unshare, *flags, "sh", "-c", script, "sh", str(self.hosts), str(self.resolv), str(self.nss), *argv]

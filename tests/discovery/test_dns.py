@@ -15,6 +15,7 @@ import pytest
 
 from extproc.discovery import DNS, HOST, STATIC, BadReplicaEntry, EndpointDiff, ReplicaSource, parse_replica_entry
 from extproc.discovery.dns import DnsDiscovery
+from tests.waiting import wait_for_async
 
 from .hosts_ns import HostsNamespace
 
@@ -153,7 +154,7 @@ class ScriptedLookup:
     async def __call__(self, host: str) -> list[str]:
         self.calls[host] = self.calls.get(host, 0) + 1
         if host in self.hang:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the hung resolver: never answers within the test
         return self.answers.get(host, [])
 
 
@@ -181,10 +182,7 @@ async def test_background_rounds_report_to_listeners_and_reload_keeps_entries():
     discovery.listeners.append(seen.append)
     assert [d.added for d in await discovery.start()] == [("10.0.0.1:80",)]
     lookup.answers["a.test"] = ["10.0.0.1", "10.0.0.3"]
-    for _ in range(100):
-        if len(seen) >= 2:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for_async(lambda: len(seen) >= 2, 1.0, 0.01)
     assert seen[1] == EndpointDiff("m", ("10.0.0.3:80",), (), False)
     discovery.set_sources({"m": [ReplicaSource(DNS, "a.test", 80), ReplicaSource(STATIC, "10.0.0.9", 81)],
                            "n": [ReplicaSource(STATIC, "10.0.1.1", 80)]})

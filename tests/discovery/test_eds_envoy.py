@@ -7,13 +7,13 @@ test stands in for the sidecar's answer without needing one (the product never l
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from extproc.discovery.eds import eds_cluster_config, write_eds
 from extproc.xds import DESTINATION_KEY, LB_NAMESPACE, _pool_lb_policy, _to_dict
+from tests.waiting import wait_for
 
 from .envoy_harness import Backend, Envoy, hcm, listener, ports, request
 
@@ -57,10 +57,8 @@ def test_an_address_added_by_eds_is_pinnable_and_a_removed_one_finishes_its_requ
         assert {request(listen, headers={PIN: b})[2] for _ in range(3)} == {a}
 
         write_eds(tmp_path, CLUSTER, [a, b])
-        t0 = time.monotonic()
-        while request(listen, headers={PIN: b})[2] != b:
-            assert time.monotonic() - t0 < 5.0, "the EDS update never made b pinnable"
-            time.sleep(0.02)
+        assert wait_for(lambda: request(listen, headers={PIN: b})[2] == b, 5.0, 0.02), \
+            "the EDS update never made b pinnable"
         assert all(request(listen, headers={PIN: b})[2] == b for _ in range(5))
         # An unknown first entry of a pin list is skipped for the next one.
         assert request(listen, headers={PIN: f"{c},{b}"})[2] == b
@@ -69,12 +67,11 @@ def test_an_address_added_by_eds_is_pinnable_and_a_removed_one_finishes_its_requ
         slow: dict[str, tuple] = {}
         worker = threading.Thread(target=lambda: slow.setdefault("r", request(listen, "/slow", {PIN: a})))
         worker.start()
-        time.sleep(0.5)
+        assert backends[0].slow_started.wait(5.0), "the slow request never reached a"
         write_eds(tmp_path, CLUSTER, [b])
-        deadline = time.monotonic() + 5.0
-        while request(listen, headers={PIN: a})[2] != b:  # a is gone: its pin falls back to b
-            assert time.monotonic() < deadline, "the EDS removal never took effect"
-            time.sleep(0.02)
+        # a is gone: its pin falls back to b
+        assert wait_for(lambda: request(listen, headers={PIN: a})[2] == b, 5.0, 0.02), \
+            "the EDS removal never took effect"
         worker.join(10)
         assert slow["r"][0] == 200 and slow["r"][2] == a
     finally:

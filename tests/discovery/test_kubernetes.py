@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import json
 import threading
@@ -17,6 +16,7 @@ from kubernetes import client
 from extproc.discovery import EndpointDiff
 from extproc.discovery.kubernetes import InvalidInferencePool, KubernetesDiscovery, PoolSpec, pod_endpoints, \
     pool_endpoints
+from tests.waiting import wait_for_async
 
 FIXTURES = Path(__file__).parent / "fixtures" / "k8s"
 POOL_PATH = "/apis/inference.networking.k8s.io/v1/namespaces/llm/inferencepools/qwen3-pool"
@@ -119,14 +119,6 @@ def discovery(api: FakeApiServer, **kw: Any) -> KubernetesDiscovery:
     return KubernetesDiscovery("qwen3", "llm", "qwen3-pool", client.ApiClient(cfg), **kw)
 
 
-async def until(pred, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    assert pred()
-
-
 def test_the_pool_spec_and_which_pods_are_endpoints():
     spec = PoolSpec.from_object(fixture("inferencepool.json"))
     assert spec.label_selector == "app=vllm-qwen3" and spec.target_ports == (8000, 8001)
@@ -152,7 +144,7 @@ async def test_list_then_watch_events_follow_the_pods(api):
         assert first == EndpointDiff("qwen3", ("10.244.1.11:8000", "10.244.1.11:8001", "10.244.2.12:8000",
                                                "10.244.2.12:8001"), (), True)
         assert api.list_calls()[0]["labelSelector"] == "app=vllm-qwen3"
-        await until(lambda: len(seen) >= 5)
+        assert await wait_for_async(lambda: len(seen) >= 5)
         # ADDED f6 (ready), c3 turns ready, a1 turns not ready, a bookmark (ignored), DELETED b2
         assert [(d.added, d.removed) for d in seen[1:5]] == [
             (("10.244.2.16:8000", "10.244.2.16:8001"), ()),
@@ -175,7 +167,7 @@ async def test_an_expired_watch_lists_again_and_the_new_list_is_authoritative(ap
     d.listeners.append(seen.append)
     await d.start()
     try:
-        await until(lambda: len(seen) >= 2)
+        assert await wait_for_async(lambda: len(seen) >= 2)
         assert len(api.list_calls()) >= 2
         assert set(seen[1].added) == {"10.244.2.16:8000", "10.244.2.16:8001", "10.244.3.17:8000",
                                       "10.244.3.17:8001"}
@@ -192,14 +184,14 @@ async def test_api_errors_keep_the_last_endpoints_and_it_recovers(api):
         assert await d.start(first_timeout_s=0.5) is None  # no answer yet: nothing reported, nothing invented
         assert d.snapshot() == frozenset()
         api.fail = False
-        await until(lambda: len(d.snapshot()) == 4)
+        assert await wait_for_async(lambda: len(d.snapshot()) == 4)
         api.fail = True
         api.released.set()  # end the open watch: the next list fails
-        await until(lambda: d.held)
+        assert await wait_for_async(lambda: d.held)
         assert len(d.snapshot()) == 4  # kept while the API server errs
         api.released.clear()
         api.fail = False
-        await until(lambda: not d.held)
+        assert await wait_for_async(lambda: not d.held)
         assert len(d.snapshot()) == 4
     finally:
         await d.stop()

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
+from tests.waiting import wait_for  # noqa: F401  (re-exported: the integration and reliability tests wait with it)
 
 BASE_POLICY = {
     "pools": [{"model": "sim-model", "replicas": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}],
@@ -54,15 +54,6 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
         if sample == name and all(dict(lbls).get(k) == v for k, v in labels.items()):
             total += value
     return total
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return pred()
 
 
 def sim_metric(addr: str, name: str) -> float:

@@ -113,7 +113,7 @@ def test_midstream_disconnect_releases_accounting_and_stops_generation(stack: St
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests", replica=replica) == 0, 3)
     assert wait_for(lambda: sim_metric(replica, "vllm:num_requests_running") == 0, 3)
     generated = sim_metric(replica, "vllm:generation_tokens_total")
-    asyncio.run(asyncio.sleep(0.5))
+    asyncio.run(asyncio.sleep(0.5))  # the window in which a replica that kept generating would add tokens
     assert sim_metric(replica, "vllm:generation_tokens_total") == generated, "replica kept generating"
     assert generated < 3000
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_requests_total", outcome="cancelled") >= 1, 5)

@@ -52,7 +52,7 @@ def test_stalled_client_is_cut_and_generation_stops(slow_stack: Stack):
         replicas = slow_stack.policy.default_pool.replicas
         assert wait_for(lambda: all(sim_metric(a, "vllm:num_requests_running") == 0 for a in replicas), 5)
         generated = sum(sim_metric(a, "vllm:generation_tokens_total") for a in replicas)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the window in which a replica that kept generating would add tokens
         assert sum(sim_metric(a, "vllm:generation_tokens_total") for a in replicas) == generated
         assert generated < 30000
     finally:

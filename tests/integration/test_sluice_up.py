@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from extproc.supervisor import free_ports
+from tests.tools import tool
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ def write_policy(tmp: Path, gw_port: int, ports: list[int]) -> Path:
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run([tool("ps"), "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
@@ -111,7 +112,9 @@ def test_invalid_policy_fails_clearly(tmp_path: Path):
     assert "host:port" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_check_command_validates_with_envoy():
-    out = subprocess.run([sys.executable, "-m", "extproc.cli", "check"], capture_output=True, text=True, timeout=60)
+def test_check_command_validates_with_envoy(tmp_path: Path):
+    # from an empty directory: the built-in default policy
+    out = subprocess.run([sys.executable, "-m", "extproc.cli", "check"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "envoy --mode validate: OK" in out.stdout

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from extproc.supervisor import Stack
+from tests.waiting import wait_for_async
 
 from .conftest import make_stack
 
@@ -58,10 +59,15 @@ def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack
             assert exc.response.headers.get("retry-after")
             return "limited"
 
+    async def acme_at_its_limit() -> bool:
+        open_streams = await asyncio.to_thread(metric_sum, auth_stack.metrics_url, "sluice_tenant_open_streams",
+                                               tenant="acme")
+        return open_streams >= 2
+
     async def run() -> tuple[list[str], list[str]]:
         async with client(auth_stack, "sk-acme") as acme, client(auth_stack, "sk-globex") as globex:
             acme_results = asyncio.gather(*(one(acme) for _ in range(5)))
-            await asyncio.sleep(0.05)
+            await wait_for_async(acme_at_its_limit)  # globex arrives while acme holds its two streams
             globex_results = asyncio.gather(*(one(globex) for _ in range(2)))
             return await acme_results, await globex_results
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from extproc.admin import codegen
-
-pytest.importorskip("grpc_tools")
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path: Path):

@@ -3,16 +3,14 @@ panels, a layout without overlaps, provisioning that points where docker-compose
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
 import yaml
+
+from tests.tools import tool
 
 from .promql import DASHBOARD, DEPLOY, ROOT, dashboard, dashboard_exprs, dashboard_panels, exported_metric_names, \
     metric_names
-
-PROMTOOL = shutil.which("promtool")
 
 
 def test_every_expression_names_only_exported_metrics():
@@ -25,9 +23,9 @@ def test_every_expression_names_only_exported_metrics():
     assert all(metric_names(e) for e in exprs.values()), "a query without any metric"
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool missing")
 def test_every_expression_is_valid_promql(tmp_path):
     """Each query (Grafana variables substituted) as a recording rule: promtool parses them all."""
+    promtool = tool("promtool")
     rules = []
     for i, expr in enumerate(dashboard_exprs().values()):
         if expr.startswith("label_values("):
@@ -37,12 +35,12 @@ def test_every_expression_is_valid_promql(tmp_path):
         rules.append({"record": f"dashboard:query_{i}", "expr": concrete})
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    proc = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # and promtool does reject bad PromQL (the check is not vacuous)
     bad = {"groups": [{"name": "bad", "rules": [{"record": "x:y", "expr": "sum(rate(x[1m]"}]}]}
     path.write_text(yaml.safe_dump(bad))
-    assert subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, timeout=60).returncode != 0
+    assert subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, timeout=60).returncode != 0
 
 
 def test_promised_panels_are_there():

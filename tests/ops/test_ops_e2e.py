@@ -1,9 +1,6 @@
 """End to end against a real stack (Envoy + `sluice serve` + simulated replicas): the `sluice` commands reach the
 sidecar's admin API, a drained replica gets no new requests, undrain goes through slow start, and the policy file
-reloads on change and on SIGHUP.
-
-Skipped while extproc/server.py's `serve()` does not start the admin server and the policy watcher; it runs as
-soon as it does."""
+reloads on change and on SIGHUP."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +19,7 @@ import yaml
 
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -39,18 +36,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.start()
     try:
         port = policy.sidecar.admin_port
-        deadline = time.monotonic() + 5
-        while True:
-            with socket.socket() as sock:
-                sock.settimeout(0.2)
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                pytest.skip("`sluice serve` does not start the admin API yet (extproc/server.py integration)")
-            time.sleep(0.1)
+        assert wait_for(lambda: listening(port), 5, 0.1), \
+            f"`sluice serve` did not open its admin API on 127.0.0.1:{port}:\n{s.child('sidecar[0]').log_tail()}"
         yield s
     finally:
         s.stop()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def sluice(stack: Stack, *args: str) -> subprocess.CompletedProcess:
@@ -79,9 +75,7 @@ def chat(stack: Stack) -> str:
 
 def test_status_drain_undrain(stack: Stack):
     addrs = [a for _m, a in stack.simulated_replicas()]
-    deadline = time.monotonic() + 10
-    while any(r["scrape_age_s"] < 0 for r in replicas(stack).values()) and time.monotonic() < deadline:
-        time.sleep(0.2)  # the scraper has read every replica
+    wait_for(lambda: all(r["scrape_age_s"] >= 0 for r in replicas(stack).values()), 10, 0.2)  # every replica read
     reps = replicas(stack)
     assert set(reps) == set(addrs) and all(r["state"] == "healthy" for r in reps.values())
 
@@ -112,18 +106,18 @@ def test_reload_on_file_change_and_sighup(stack: Stack):
         assert proc.returncode == 1 and "kv_margin" in proc.stderr
         data["admission"] = {"kv_margin": 0.2}
         path.write_text(yaml.safe_dump(data))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the watcher polls the file every second
-            last = status(stack).get("last_reload") or {}
-            if last.get("ok") and last.get("trigger") == "file_change":
-                break
-            time.sleep(0.2)
+        last: dict = {}
+
+        def reloaded_from_file() -> bool:  # the watcher polls the file every second
+            last.clear()
+            last.update(status(stack).get("last_reload") or {})
+            return bool(last.get("ok")) and last.get("trigger") == "file_change"
+
+        wait_for(reloaded_from_file, 10, 0.2)
         assert last.get("ok") and last.get("trigger") == "file_change", last
         sidecar = stack.child("sidecar[0]")
         os.kill(sidecar.proc.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while (status(stack).get("last_reload") or {}).get("trigger") != "sighup" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: (status(stack).get("last_reload") or {}).get("trigger") == "sighup", 5, 0.1)
         assert status(stack)["last_reload"]["trigger"] == "sighup"
         assert sidecar.alive()
     finally:

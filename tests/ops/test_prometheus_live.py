@@ -5,10 +5,8 @@ over its HTTP API returns the expected series, and every rule evaluates without 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -19,12 +17,13 @@ import yaml
 
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, free_ports, http_ok, with_free_ports
+from tests.tools import tool
+from tests.waiting import wait_for
 
 from .promql import ALERTS, DEPLOY, ENVOY_METRICS, alert_exprs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-PROMETHEUS = shutil.which("prometheus")
 REQUESTS = 6
 
 
@@ -61,24 +60,21 @@ def prometheus_config(stack: Stack) -> dict:
 
 @pytest.fixture(scope="module")
 def prometheus(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if PROMETHEUS is None:
-        pytest.skip("prometheus missing (apt-get install prometheus; .ci/run installs it)")
+    prometheus_bin = tool("prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(stack)))
     port = free_ports(1)[0]
     log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
+    proc = subprocess.Popen([prometheus_bin, f"--config.file={tmp / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
                              "--log.level=warn"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while not http_ok(f"{url}/-/ready"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("prometheus did not start:\n" + (tmp / "prometheus.log").read_text()[-2000:])
-            time.sleep(0.1)
+        wait_for(lambda: proc.poll() is not None or http_ok(f"{url}/-/ready"), 20, 0.1)
+        if proc.poll() is not None or not http_ok(f"{url}/-/ready"):
+            pytest.fail("prometheus did not start:\n" + (tmp / "prometheus.log").read_text()[-2000:])
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -103,12 +99,15 @@ def value(base: str, expr: str) -> float | None:
 
 
 def wait_value(base: str, expr: str, pred, timeout: float = 15.0) -> float | None:
-    deadline = time.monotonic() + timeout
-    v = value(base, expr)
-    while not (v is not None and pred(v)) and time.monotonic() < deadline:
-        time.sleep(0.25)
-        v = value(base, expr)
-    return v
+    """The query's value once `pred` holds for it, else its last value at the deadline."""
+    last: list[float | None] = [None]
+
+    def holds() -> bool:
+        last[0] = value(base, expr)
+        return last[0] is not None and pred(last[0])
+
+    wait_for(holds, timeout, 0.25)
+    return last[0]
 
 
 def send_requests(stack: Stack, n: int) -> None:
@@ -147,14 +146,15 @@ def test_prometheus_scrapes_the_stack(stack: Stack, prometheus: str):
 
 def test_alert_rules_load_and_evaluate(stack: Stack, prometheus: str):
     expected = set(alert_exprs())
-    deadline = time.monotonic() + 15
-    while True:
+    rules: dict = {}
+
+    def all_evaluated() -> bool:
         groups = api(prometheus, "rules")["groups"]
-        rules = {r["name"]: r for g in groups for r in g["rules"]}
-        evaluated = all(r.get("lastEvaluation", "").startswith("20") for r in rules.values())
-        if (set(rules) == expected and evaluated) or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
+        rules.clear()
+        rules.update({r["name"]: r for g in groups for r in g["rules"]})
+        return set(rules) == expected and all(r.get("lastEvaluation", "").startswith("20") for r in rules.values())
+
+    wait_for(all_evaluated, 15, 0.25)
     assert set(rules) == expected
     bad = {name: r.get("lastError") for name, r in rules.items() if r["health"] != "ok"}
     assert not bad, f"rules failing to evaluate: {bad}"

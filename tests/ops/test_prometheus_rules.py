@@ -5,14 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-import pytest
 import yaml
 
-from .promql import ALERTS, DEPLOY, ENVOY_METRICS, alert_exprs, exported_metric_names, metric_names
+from tests.tools import tool
 
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (apt-get install prometheus; "
-                                                              ".ci/run installs it)")
+from .promql import ALERTS, DEPLOY, ENVOY_METRICS, alert_exprs, exported_metric_names, metric_names
 
 REQUIRED = {  # what the alerts must cover -> the alert that does
     "replica degraded": "SluiceReplicaDegraded",
@@ -26,30 +23,27 @@ REQUIRED = {  # what the alerts must cover -> the alert that does
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY)
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY)
 
 
-@needs_promtool
 def test_promtool_check_rules():
     proc = run("check", "rules", str(ALERTS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 
 
-@needs_promtool
 def test_promtool_unit_tests_pass():
     proc = run("test", "rules", "alerts_test.yml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@needs_promtool
 def test_promtool_unit_tests_can_fail(tmp_path):
     """The unit tests are not vacuous: a broken threshold makes them fail."""
     broken = ALERTS.read_text().replace("> 0.05", "> 0.5")
     assert broken != ALERTS.read_text()
     (tmp_path / "alerts.yml").write_text(broken)
     shutil.copy(DEPLOY / "alerts_test.yml", tmp_path / "alerts_test.yml")
-    proc = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
+    proc = subprocess.run([tool("promtool"), "test", "rules", "alerts_test.yml"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and "SluiceShedRateHigh" in proc.stdout + proc.stderr
 

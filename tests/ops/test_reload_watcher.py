@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from extproc.config import load_policy
 from extproc.gateway import Gateway
 from extproc.reload import PolicyWatcher, ReloadResult, reload_policy, restart_notes
+from tests.waiting import wait_for_async as wait_until
 
 from .conftest import BASE, write_policy
 
@@ -24,15 +25,6 @@ TWO = {**BASE, "pools": [{"model": "m", "replicas": ["10.0.0.1:8000", "10.0.0.3:
 
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def wait_until(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return pred()
 
 
 def addresses(gw: Gateway) -> list[str]:
@@ -97,8 +89,8 @@ async def test_sighup_reloads(policy_file: Path):
     w = PolicyWatcher(policy_file, gw, on_change=seen.append, interval_s=60.0)  # polling out of the picture
     await w.start(sighup=True)
     try:
-        if not w._sighup:  # never send SIGHUP without our handler: it would end the test process
-            pytest.skip("SIGHUP handler unavailable in this event loop")
+        # never send SIGHUP without our handler: it would end the test process
+        assert w._sighup, "the watcher installed no SIGHUP handler in the test's event loop"
         write_policy(policy_file, TWO)
         os.kill(os.getpid(), signal.SIGHUP)
         assert await wait_until(lambda: len(seen) == 1)
@@ -116,7 +108,7 @@ async def test_touch_without_change_does_not_reload(policy_file: Path):
     try:
         st = policy_file.stat()
         os.utime(policy_file, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # six polls of an unchanged file: the window in which no reload may happen
         assert seen == []
         write_policy(policy_file, TWO)  # a real change is still noticed after the touch
         assert await wait_until(lambda: len(seen) == 1)
@@ -163,12 +155,12 @@ async def test_reloaded_budgets_store_is_started(policy_file: Path, monkeypatch)
     write_policy(policy_file, {**BASE, "budgets": {"retry": {"max_share": 0.25}}})
     result = reload_policy(policy_file, gw)
     assert result.ok and "budgets policy replaced" in result.changes
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: started)  # the new store is started by a task on the loop
     assert gw.budgets is not before and started == [gw.budgets]
     # an unchanged budgets section starts nothing
     write_policy(policy_file, {**BASE, "budgets": {"retry": {"max_share": 0.25}}, "sidecar": {"grpc_port": 50071}})
     assert reload_policy(policy_file, gw).ok
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # the window in which an unwanted start task would have run (above: at once)
     assert len(started) == 1
 
 

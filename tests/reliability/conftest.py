@@ -61,13 +61,13 @@ def restart_child(child: Child, timeout: float = 30.0) -> float:
     assert not child.alive(), f"{child.name} is still running"
     t0 = time.monotonic()
     child.start(dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = t0 + timeout
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         assert child.alive(), f"{child.name} exited on restart:\n{child.log_tail()}"
-        if http_ok(child.ready_url):
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"{child.name} not ready after restart:\n{child.log_tail()}")
+        return http_ok(child.ready_url)
+
+    assert wait_for(ready, timeout), f"{child.name} not ready after restart:\n{child.log_tail()}"
+    return time.monotonic() - t0
 
 
 def accounting(stack: Stack, replicas: list[str] | None = None) -> dict[str, float]:
@@ -184,7 +184,7 @@ class EchoReplica:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length", 0)))
                 echo.seen.append({k.lower(): v for k, v in self.headers.items()})
-                time.sleep(echo.delay_s)
+                time.sleep(echo.delay_s)  # the replica's latency, set by the test
                 self._reply(200, {"id": "echo", "object": "chat.completion", "model": MODEL,
                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                                "finish_reason": "stop"}],

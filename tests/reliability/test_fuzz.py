@@ -342,7 +342,7 @@ async def _held_request(gw: Gateway, headers: list, body: bytes, hold_s: float, 
             answer = await gw.wait(st_)
         _assert_answer(answer)
         if answer.WhichOneof("response") == "request_body":
-            await asyncio.sleep(hold_s)
+            await asyncio.sleep(hold_s)  # the request runs on its replica for hold_s, holding its slot
             gw.on_response_headers(st_, pb.HttpHeaders(end_of_stream=True))
             answers.append("completed")
         else:
@@ -437,7 +437,7 @@ def test_client_leaving_as_it_is_dispatched_keeps_gauges_exact() -> None:
         assert second.held and hold.HasField("override_message_timeout")
         waiter = second.waiter
         held = asyncio.ensure_future(gw.wait(second))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop step: the held request now awaits its dispatch
         gw.finish(first)               # frees the slot: the queued request is dispatched (its future resolves) ...
         assert waiter.future.done()
         held.cancel()                  # ... and in the same instant its client leaves

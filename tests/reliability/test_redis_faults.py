@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.budgets.conftest import RedisProc, _need_redis
+from tests.budgets.conftest import RedisProc
 
 from .conftest import assert_settled, chat, metric_sum, running_stack, wait_for
 
@@ -22,7 +22,6 @@ MAX_CALLS = 4
 
 
 def test_redis_killed_and_restarted_under_load(tmp_path: Path) -> None:
-    _need_redis()
     redis = RedisProc()
     redis.start()
     try:
@@ -61,7 +60,7 @@ def _run(stack, redis: RedisProc) -> None:
                 await asyncio.gather(*(task_client(http, f"task-{n}-{i}", MAX_CALLS + 2) for i in range(4)))
                 n += 1
 
-    async def chaos() -> None:
+    async def chaos() -> None:  # the fault timeline: Redis down from 1.5 s to 4 s into the load
         await asyncio.sleep(1.5)
         redis.kill()
         timeline["killed"] = time.monotonic() - t0
@@ -73,7 +72,7 @@ def _run(stack, redis: RedisProc) -> None:
         while time.monotonic() - t0 < 7.5:
             value = await asyncio.to_thread(metric_sum, url, "sluice_budget_store_fallback_active")
             fallback.append((time.monotonic() - t0, value))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the sampling period of the fallback timeline
 
     async def main() -> None:
         await asyncio.gather(load(), chaos(), sample())

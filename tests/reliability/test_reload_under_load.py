@@ -104,7 +104,7 @@ async def test_apply_policy_under_concurrent_load() -> None:
     async def reloader() -> None:
         nonlocal reloads
         for k in range(40):
-            await asyncio.sleep(rng.uniform(0.005, 0.03))
+            await asyncio.sleep(rng.uniform(0.005, 0.03))  # reloads paced among the clients' requests
             note_replicas()
             apply_policy(gw, policy_from_dict(VARIANTS[(k + 1) % len(VARIANTS)]))
             note_replicas()
@@ -115,7 +115,7 @@ async def test_apply_policy_under_concurrent_load() -> None:
         for i in range(600):
             pending.add(asyncio.ensure_future(_client(gw, i, rng, outcomes)))
             if i % 20 == 0:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the arrival pacing: 20 requests per 10 ms
         await asyncio.gather(*pending)
 
     note_replicas()
@@ -178,7 +178,7 @@ def test_sighup_reload_under_load(tmp_path: Path) -> None:
         threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        time.sleep(1.0)  # a second of load first: the reload lands while streams are in flight
         new = policy_to_dict(stack.policy)
         new["pools"][0]["replicas"] = keep
         new["tenants"] = {"max_streams_per_tenant": 50}
@@ -186,7 +186,7 @@ def test_sighup_reload_under_load(tmp_path: Path) -> None:
         os.kill(sidecar.proc.pid, signal.SIGHUP)
         assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_policy_reloads_total", result="ok") >= 1, 5)
         served_drop = sim_metric(drop, "vllm:request_success_total")
-        time.sleep(1.5)
+        time.sleep(1.5)  # load on the new policy: the window in which the removed replica must get nothing new
         stop.set()
         for t in threads:
             t.join(15)

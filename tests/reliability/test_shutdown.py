@@ -18,9 +18,10 @@ import httpx
 import pytest
 import yaml
 
-from extproc.supervisor import free_ports
+from extproc.supervisor import free_ports, http_ok
+from tests.tools import tool
 
-from .conftest import assert_openai_error, chat, join_all, running_stack, sim_metric, streams, wait_for
+from .conftest import assert_openai_error, chat, join_all, metric_sum, running_stack, sim_metric, streams, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 CHAT = "/v1/chat/completions"
@@ -35,12 +36,12 @@ def test_sigterm_drains_inflight_refuses_new_and_exits_in_grace(tmp_path: Path) 
         long_ones = streams(stack.base_url, 3, 500)
         assert wait_for(lambda: sum(sim_metric(a, "vllm:num_requests_running") for a in replicas) == 3, 5)
         waiting = streams(stack.base_url, 2, 20)
-        time.sleep(0.3)
+        assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_queue_depth") == 2, 5)
 
         t_term = time.monotonic()
         sidecar.proc.send_signal(signal.SIGTERM)
         # new requests while draining: 503 draining, retry-after, never a replica
-        time.sleep(0.2)
+        assert wait_for(lambda: not http_ok(sidecar.ready_url), 5)  # /ready turns 503 once it drains
         with httpx.Client(base_url=stack.base_url, timeout=10) as http:
             refused = [http.post(CHAT, json=chat()) for _ in range(3)]
         for resp in refused:
@@ -75,7 +76,7 @@ def _write_policy(tmp: Path) -> Path:
 
 
 def _children(pid: int) -> dict[int, str]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run([tool("ps"), "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     kids = {}
     for line in out.splitlines():
         p, _, args = line.strip().partition(" ")
@@ -112,7 +113,7 @@ def test_sluice_up_sigterm_stops_envoy_then_sidecar_then_replicas(tmp_path: Path
             for pid in kids:
                 if pid not in gone_at and _gone(pid):
                     gone_at[pid] = time.monotonic() - t0
-            time.sleep(0.002)
+            time.sleep(0.002)  # the resolution of the exit times whose order is asserted
         assert proc.wait(30) == 0
         assert len(gone_at) == len(kids), (kids, gone_at)
         order = sorted(gone_at, key=gone_at.get)
@@ -120,7 +121,7 @@ def test_sluice_up_sigterm_stops_envoy_then_sidecar_then_replicas(tmp_path: Path
         assert roles == ["envoy", "sidecar", "sim", "sim"], (roles, gone_at)
         print(f"\nsluice up: exited at {[(kids[p], round(gone_at[p], 3)) for p in order]} s after SIGTERM")
         # no orphans: nothing left in the process group / session either
-        left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+        left = subprocess.run([tool("ps"), "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
         assert not [p for p in left.split() if int(p) != proc.pid and not _gone(int(p))], left
         for pid in kids:
             assert _gone(pid)

@@ -15,6 +15,7 @@ from extproc.config import PoolConfig
 from extproc.routing.policy import RoutingPolicy
 from extproc.routing.pool import Pool
 from extproc.routing.scrape import Scraper
+from tests.waiting import wait_for_async
 
 from .pages import sglang_page, vllm_page
 
@@ -130,7 +131,7 @@ async def test_windowed_values_over_successive_scrapes(replicas):
     try:
         fake.page = vllm_page(running=2, gen=1000, ttft=[0.2] * 10)
         await scraper.scrape_once()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # time between the two scrapes: the rates are differenced over it
         fake.page = vllm_page(running=2, gen=1500, ttft=[0.2] * 10 + [8.0] * 10)
         await scraper.scrape_once()
         e = pool.replicas[0].engine
@@ -253,7 +254,7 @@ async def test_loop_scrapes_all_replicas_concurrently_and_a_hung_one_delays_no_o
     scraper.listeners.append(lambda: rounds.append(time.monotonic()))
     try:
         await scraper.start()
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # the loop runs for 0.6 s with one replica hung for 2 s: the others' rounds go on
         now = time.monotonic()
         g, o, h = pool.replicas
         assert scraper.is_fresh(g, now) and now - g.engine.scraped_at < 0.2
@@ -278,7 +279,7 @@ async def test_listener_errors_do_not_stop_the_loop(replicas):
     scraper.listeners += [broken, lambda: seen.append(1)]
     try:
         await scraper.start()
-        await asyncio.sleep(0.3)
+        await wait_for_async(lambda: len(seen) >= 3)
         assert len(seen) >= 3
     finally:
         await scraper.stop()

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from extproc.routing.shared_load import Load, SharedLoad, SharedLoadPolicy, redis_client
 from tests.budgets.conftest import redis_proc, redis_server  # noqa: F401  (fixtures: a real redis-server)
+from tests.waiting import wait_for_async
 
 
 class Sidecar:
@@ -65,7 +66,7 @@ async def test_a_silent_sidecar_drops_out_after_stale_after(redis_server, make):
     await vb.sync_once()
     await va.sync_once()
     assert va.others("m", "r1") == Load(40, 1)
-    await asyncio.sleep(0.4)  # b publishes nothing more (stopped, crashed, lost Redis)
+    await asyncio.sleep(0.4)  # b publishes nothing more (stopped, crashed, lost Redis) for longer than stale_after
     await va.sync_once()
     assert va.others("m", "r1") == Load() and va.peers == 0
 
@@ -97,7 +98,7 @@ async def test_background_sync_makes_one_round_trip_per_interval(redis_server, m
     seen = []
     va.listeners.append(seen.append)
     await va.start()
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)  # the window whose round trips are counted: 20 intervals of 50 ms
     await va.stop()
     stats = await admin.info("commandstats")
     await admin.aclose()
@@ -113,16 +114,13 @@ async def test_losing_redis_empties_the_view_and_it_comes_back_by_itself(redis_p
     va, vb = make(redis_proc.url, a, "a", **policy), make(redis_proc.url, b, "b", **policy)
     await vb.start()
     await va.start()
-    await asyncio.sleep(0.15)
+    await wait_for_async(lambda: va.others("m", "r1") == Load(80, 2))
     assert va.others("m", "r1") == Load(80, 2)
     views: list[dict] = []
     va.listeners.append(views.append)
 
     redis_proc.kill()
-    for _ in range(100):
-        if va.degraded:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for_async(lambda: va.degraded, 2.0)
     assert va.degraded and va.others("m", "r1") == Load() and views[-1] == {}
     assert REGISTRY.get_sample_value("sluice_shared_load_degraded") == 1
     failures = REGISTRY.get_sample_value("sluice_shared_load_sync_failures_total")
@@ -130,10 +128,7 @@ async def test_losing_redis_empties_the_view_and_it_comes_back_by_itself(redis_p
     assert REGISTRY.get_sample_value("sluice_shared_load_sync_failures_total") - failures <= 6
 
     redis_proc.start()  # same port, empty: both sidecars republish on their next round
-    for _ in range(200):
-        if not va.degraded and va.others("m", "r1") == Load(80, 2):
-            break
-        await asyncio.sleep(0.02)
+    await wait_for_async(lambda: not va.degraded and va.others("m", "r1") == Load(80, 2), 4.0)
     assert not va.degraded and va.others("m", "r1") == Load(80, 2)
     assert REGISTRY.get_sample_value("sluice_shared_load_degraded") == 0
 

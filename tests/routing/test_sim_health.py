@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 
 import aiohttp
@@ -16,6 +15,7 @@ from extproc.config import PoolConfig, parse_section
 from extproc.routing.health import HealthTracker
 from extproc.routing.pool import DEGRADED, EJECTED, HEALTHY, RECOVERING, Pool
 from extproc.sim.server import SimConfig, SimServer
+from tests.waiting import wait_for_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ async def stack(n: int = 2):
                                         timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the load's pacing after a failed request (a crashed replica refuses)
 
     clients = [asyncio.create_task(client(s)) for s in sims for _ in range(2)]
     await scraper.scrape_once()
@@ -67,43 +67,37 @@ async def stack(n: int = 2):
             await s.stop()
 
 
-async def wait_for(cond, timeout: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
-
-
 async def test_half_dead_replica_is_degraded_and_its_peer_is_not():
     async with stack() as (sims, pool, tracker):
         a, b = pool.replicas
+        # 1.5 s of load on two good replicas (past min_samples and tps_min_span_s): the window in which the health
+        # judge must degrade neither
         await asyncio.sleep(1.5)
         assert (a.state, b.state) == (HEALTHY, HEALTHY)
         assert a.engine.generation_tps > 0 and a.engine.ttft_count_window > 0
         await sims[1].apply_fault("slow", 60.0)      # every step 60x slower; the process is alive
-        await wait_for(lambda: b.state == DEGRADED, 8.0)
+        assert await wait_for_async(lambda: b.state == DEGRADED, 8.0, 0.05)
         assert b.state_reason.split(":")[0] in ("ttft_p95", "tps_collapse")
         assert b.weight == 0.25 and a.state == HEALTHY
         await sims[1].apply_fault("clear")
-        await wait_for(lambda: b.state == HEALTHY, 12.0)  # slow first tokens leave the window, then 1 s good
+        # slow first tokens leave the window, then 1 s good
+        assert await wait_for_async(lambda: b.state == HEALTHY, 12.0, 0.05)
         assert a.state == HEALTHY
 
 
 async def test_crashed_replica_is_ejected_and_comes_back_through_slow_start():
     async with stack() as (sims, pool, tracker):
         a, b = pool.replicas
-        await asyncio.sleep(0.5)
+        assert await wait_for_async(lambda: all(r.engine.ttft_count_window > 0 for r in pool.replicas), 5.0, 0.05)
         await sims[1].apply_fault("crash")
-        await wait_for(lambda: b.state == EJECTED, 5.0)
+        assert await wait_for_async(lambda: b.state == EJECTED, 5.0, 0.05)
         assert not b.routable and a.state == HEALTHY
         await sims[1].apply_fault("recover")
-        await wait_for(lambda: b.state == RECOVERING, 5.0)
+        assert await wait_for_async(lambda: b.state == RECOVERING, 5.0, 0.05)
         weights = set()
 
         def healthy_again() -> bool:
             weights.add(b.weight)
             return b.state == HEALTHY
-        await wait_for(healthy_again, 10.0)
+        assert await wait_for_async(healthy_again, 10.0, 0.05)
         assert {0.1, 0.3, 0.5} <= weights            # every slow-start step was taken

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -32,16 +31,6 @@ async def sim_factory() -> AsyncIterator[StartSim]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         yield s
-
-
-async def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> None:
-    """Poll until ``pred()`` holds (bounded); fail the test with a clear message otherwise."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        if loop.time() > end:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 def chat_body(prompt: str = "hello there", max_tokens: int | None = 8, stream: bool = False,

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.sim import tokenizer
+from tests.waiting import wait_for_async
 
 from .conftest import chat_body, words
 
@@ -242,7 +243,7 @@ async def test_short_request_behind_long_prompt_over_http(sim_factory, http) -> 
     idle = await ttft({"prompt": words(100), "max_tokens": 1})
     aio = __import__("asyncio")
     long = aio.create_task(ttft({"prompt": words(4000), "max_tokens": 1}))
-    await aio.sleep(0.005)
+    assert await wait_for_async(sim.engine.has_work, 5.0, 0.001)  # the long prompt is in the engine first
     blocked = await ttft({"prompt": words(100), "max_tokens": 1})
     await long
     assert blocked > 3 * idle
@@ -250,7 +251,7 @@ async def test_short_request_behind_long_prompt_over_http(sim_factory, http) -> 
 
 
 async def test_openai_sdk_stream_and_non_stream(sim_factory) -> None:
-    openai = pytest.importorskip("openai")
+    import openai
     sim = await sim_factory(time_scale=20)
     client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="sk-sim", max_retries=0, timeout=20)
     try:

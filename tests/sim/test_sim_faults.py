@@ -8,7 +8,9 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import chat_body, wait_for, words
+from tests.waiting import wait_for_async
+
+from .conftest import chat_body, words
 
 pytestmark = pytest.mark.asyncio
 
@@ -50,7 +52,7 @@ async def test_stream_disconnect_frees_blocks_within_one_step(sim_factory) -> No
     assert len(eng.running) == 1 and eng.pool.used() > 0
     steps_before = eng.stats.steps
     writer.transport.abort()  # the client goes away (RST)
-    await wait_for(lambda: eng.pool.used() == 0, timeout=2.0, interval=0.001)
+    assert await wait_for_async(lambda: eng.pool.used() == 0, timeout=2.0, interval=0.001)
     assert eng.stats.steps - steps_before <= 1
     assert eng.stats.finished["abort"] == 1 and not eng.running
     assert eng.stats.ghost_tokens <= 1
@@ -63,7 +65,7 @@ async def test_non_stream_disconnect_aborts_too(sim_factory, http) -> None:
         async with http.post(sim.url + "/v1/chat/completions", json=chat_body(max_tokens=2000),
                              timeout=aiohttp.ClientTimeout(total=0.2)) as r:
             await r.read()
-    await wait_for(lambda: eng.stats.finished["abort"] == 1, timeout=3.0)
+    assert await wait_for_async(lambda: eng.stats.finished["abort"] == 1, timeout=3.0)
     assert eng.pool.used() == 0 and not eng.running
     assert eng.stats.generation_tokens < 2000
 
@@ -72,9 +74,9 @@ async def test_disconnect_while_queued_removes_the_request(sim_factory) -> None:
     sim = await sim_factory(time_scale=1, faults=[("hang", True)])
     eng = sim.engine
     reader, writer = await raw_stream(sim.port, chat_body(max_tokens=10, stream=True))
-    await wait_for(lambda: len(eng.waiting) == 1)
+    assert await wait_for_async(lambda: len(eng.waiting) == 1)
     writer.close()
-    await wait_for(lambda: not eng.waiting)
+    assert await wait_for_async(lambda: not eng.waiting)
     assert eng.stats.finished["abort"] == 1
 
 
@@ -85,7 +87,7 @@ async def test_no_abort_keeps_generating_and_counts_ghost_tokens(sim_factory, ht
     reader, writer = await raw_stream(sim.port, chat_body(max_tokens=150, stream=True))
     await read_until(reader, b'"content":" ')
     writer.transport.abort()
-    await wait_for(lambda: eng.stats.finished["length"] == 1, timeout=10.0)
+    assert await wait_for_async(lambda: eng.stats.finished["length"] == 1, timeout=10.0)
     assert eng.stats.finished["abort"] == 0
     assert eng.stats.ghost_tokens > 100  # tokens made after the client left
     async with http.get(sim.url + "/metrics") as r:
@@ -104,7 +106,7 @@ async def test_slow_keeps_health_200_while_ttft_rises(sim_factory, http) -> None
     fast = sim.engine.stats.ttft.sum
     await fault(http, sim, "slow", 20)
     task = asyncio.create_task(http.post(sim.url + "/v1/chat/completions", json=body))
-    await wait_for(lambda: sim.engine.has_work())
+    assert await wait_for_async(lambda: sim.engine.has_work())
     async with http.get(sim.url + "/health") as r:
         assert r.status == 200  # half-dead: alive by the classic check
     async with await task as r:
@@ -185,7 +187,7 @@ async def test_kv_shrink_preempts_running_work(sim_factory, http) -> None:
     eng = sim.engine
     body = chat_body(words(290), max_tokens=60, stream=True)  # ~19 blocks each, 23 at the end
     tasks = [asyncio.create_task(http.post(sim.url + "/v1/chat/completions", json=body)) for _ in range(3)]
-    await wait_for(lambda: len(eng.running) == 3 and eng.stats.generation_tokens >= 3)
+    assert await wait_for_async(lambda: len(eng.running) == 3 and eng.stats.generation_tokens >= 3)
     state = await fault(http, sim, "kv-shrink", 0.5)
     assert state["usable_blocks"] == 49  # 100 - 50 lost - the null block
     for t in tasks:
@@ -224,8 +226,8 @@ async def test_clearing_slow_mid_step_shortens_the_step(sim_factory, http) -> No
     sim = await sim_factory(time_scale=1, faults=[("slow", 1000.0)])  # a 100-token step: ~8 s
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(http.post(sim.url + "/v1/chat/completions", json=chat_body(max_tokens=2)))
-    await wait_for(lambda: len(sim.engine.running) == 1)
-    await asyncio.sleep(0.05)
+    assert await wait_for_async(lambda: len(sim.engine.running) == 1)
+    await asyncio.sleep(0.05)  # the slow step is under way: the fault is cleared in its middle
     t0 = loop.time()
     await sim.apply_fault("clear")
     async with await task as r:

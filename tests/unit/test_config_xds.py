@@ -2,19 +2,20 @@
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
 from extproc.cli import validate_with_envoy
-from extproc.config import Policy, PolicyError, default_policy_path, load_policy, policy_from_dict
+from extproc.config import EMBEDDED_POLICY, Policy, PolicyError, load_policy, policy_from_dict
 from extproc.xds import DESTINATION_KEY, EXTPROC_CLUSTER, LB_NAMESPACE, render
 
 BASE = {"pools": [{"model": "m", "replicas": ["127.0.0.1:8101", "127.0.0.1:8102"]}]}
 
 
 def test_default_policy_loads():
-    policy = load_policy(default_policy_path())
+    policy = load_policy(EMBEDDED_POLICY)
     assert policy.default_pool.model == "sim-model"
     assert len(policy.default_pool.replicas) == 3
 
@@ -133,8 +134,9 @@ def test_envoy_validate_accepts_rendered_config(mode):
 
 
 def test_committed_envoy_files_match_the_default_policy(tmp_path):
-    """envoy/ holds the files rendered from sluice.yaml (what docker-compose mounts); they must not go stale."""
-    render(load_policy(default_policy_path()), tmp_path, "sluice")
-    repo_envoy = default_policy_path().parent / "envoy"
+    """envoy/ holds the files rendered from the default policy (what docker-compose mounts); they must not go
+    stale."""
+    render(load_policy(EMBEDDED_POLICY), tmp_path, "sluice")
+    repo_envoy = Path(__file__).resolve().parents[2] / "envoy"
     for name in ("lds.yaml", "cds.yaml"):
         assert (repo_envoy / name).read_text() == (tmp_path / name).read_text(), f"run `sluice render` ({name})"
