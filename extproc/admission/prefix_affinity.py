@@ -5,14 +5,14 @@ growing context) prefill only their uncached tail on a replica whose prefix cach
 4,000-token prompt with 3,968 tokens cached takes about 70 ms on the real CPU engine instead of 340 ms.
 
 Which prefix: `LLMRequest.prefix_chain`, chained hashes of the prompt text's first `PREFIX_LADDER` characters
-(512, 724, 1024, ...: each level about sqrt(2) longer), computed once when the body is parsed. Two prompts that
+(512, 558, 608, ...: each level about 9 % longer), computed once when the body is parsed. Two prompts that
 share their first L characters share every level up to L.
 
 Where it may be cached: `PrefixAffinity` remembers, per level hash, the replicas this sidecar placed it on (the
 KEEP most recent) in LRU order, at most MAX_ENTRIES hashes. The longest level a replica holds predicts the
 prompt tokens its engine will find cached:
 
-    cached(r) = characters of that level x prompt tokens / prompt characters
+    cached(r) = characters of that level x prompt tokens / prompt characters  (x OLDER_HOLDER, below)
 
 Whether it is cached (confirmed, never assumed from the hash): each placement adds its predicted cached tokens to
 the replica's tally, and each scrape adds the engine's own prefix-cache hits (the delta of
@@ -24,6 +24,13 @@ replica's confidence moves by ALPHA toward
 It starts at 0, so nothing is assumed before the counters agree: requests placed by load alone land on a
 replica that already served their prefix often enough for the counters to show it. An engine with prefix
 caching off, or evicting its cache under KV pressure, shows fewer hits than predicted, and the term fades.
+
+A level placed on several replicas counts in full only on the one it was placed on last, and OLDER_HOLDER (0.5)
+x on the others: an engine's LRU cache evicts first what it has not been asked for since, and, more to the point,
+equal credit on two replicas lets load alone alternate an app's requests between them, so each caches every
+app's prefix and, with a working set larger than one replica's cache, evicts them from each other (PX, hit rate
+0.68 of the best achievable). With the credit on the latest holder, a prefix stays where it went last and moves
+whole when it spills over.
 
 The placement term (placement.py): a replica must compute `prompt - confidence(r) x cached(r)` tokens of the
 prompt, and that is what its predicted TTFT, its prefill gate and the prefill backlog charged on placing use.
@@ -43,6 +50,7 @@ KEEP = 4               # replicas remembered per prefix level (most recent place
 MAX_ENTRIES = 65_536   # prefix level hashes remembered per pool (LRU)
 MIN_EVIDENCE = 2048.0  # predicted cached tokens needed before the counters are compared with them
 ALPHA = 0.5            # weight of one comparison in the confidence
+OLDER_HOLDER = 0.5     # a level's holders other than its most recent placement count this share of it cached
 
 
 @dataclass(slots=True)
@@ -76,11 +84,12 @@ class PrefixAffinity:
             placed = where.get(chain[i])
             if placed is None:
                 continue
+            latest = next(reversed(placed))
             for r in placed:
                 if r not in out:
                     t = self.tally.get(r.address)
                     if t is not None and t.confidence > 0:
-                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char
+                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char * (1.0 if r is latest else OLDER_HOLDER)
         return out
 
     def record(self, r: Replica, req: LLMRequest, predicted: float, now: float) -> None:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from extproc.admission.prefix_affinity import MIN_EVIDENCE, PrefixAffinity
+from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity
 from extproc.request import PREFIX_LADDER, LLMRequest, prefix_chain
 from extproc.routing.pool import Replica
 from extproc.routing.scrape import ScrapedState
@@ -13,6 +13,7 @@ from extproc.routing.scrape import ScrapedState
 from .placing import placer
 
 SYSTEM = "".join(random.Random(7).choice("abcdefgh ") for _ in range(16_000))  # about 4,000 tokens
+LEVEL = max(level for level in PREFIX_LADDER if level <= len(SYSTEM))  # the longest level SYSTEM covers
 
 
 def req(system: str = SYSTEM, user: str = "hello", out: int = 16) -> LLMRequest:
@@ -39,7 +40,7 @@ def test_nothing_is_assumed_before_the_counters_confirm():
     aff.record(r, req(), 0.0, 0.0)
     assert aff.cached_tokens(req(user="again")) == {}  # placed there, but no engine said it hits
     again = req(user="again")
-    assert aff.predicted_tokens(r, again) == pytest.approx(11_585 * again.prompt_tokens / again.prompt_chars)
+    assert aff.predicted_tokens(r, again) == pytest.approx(LEVEL * again.prompt_tokens / again.prompt_chars)
 
 
 def confirmed(aff: PrefixAffinity, r: Replica, rounds: int = 3, share: float = 1.0) -> None:
@@ -64,7 +65,7 @@ def test_confidence_follows_the_engines_hits():
     confirmed(aff, r)
     assert aff.confidence(r) > 0.8
     q = req(user="new question")
-    assert aff.cached_tokens(q)[r] == pytest.approx(aff.confidence(r) * 11_585 * q.prompt_tokens / q.prompt_chars)
+    assert aff.cached_tokens(q)[r] == pytest.approx(aff.confidence(r) * LEVEL * q.prompt_tokens / q.prompt_chars)
 
 
 def test_an_engine_without_prefix_caching_never_gets_affinity():
@@ -99,7 +100,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached_and_spill_when_it_is_bu
     first = p.choose(q1, 1, 10.0)
     assert first[0] is home
     p.commit(home, q1, 1, 10.0)
-    # only the uncached part was charged (the longest level holds 11,585 of its 16,006 characters)
+    # only the uncached part was charged (the longest level it shares, LEVEL of its 16,006 characters)
     assert home.prefill_backlog < 0.4 * q1.prompt_tokens
     # a hot prefix: its replica's backlog grows with every request, and once its predicted TTFT passes what an
     # uncached prefill elsewhere costs, the prefix spills to another replica, which then holds it too
@@ -133,3 +134,19 @@ def test_placing_by_load_alone_lets_the_counters_find_the_prefix():
         scrape(r, 8.0, hits[r])
     p.prefix.on_scrape(p.pool.replicas)
     assert any(p.prefix.confidence(r) > 0 for r in set(landed))
+
+
+def test_a_prefix_placed_on_two_replicas_counts_in_full_only_where_it_went_last():
+    """Equal credit on both would let load alone alternate the prefix's requests between them, each caching every
+    prefix and evicting the others'; the latest holder keeps it until it spills over."""
+    aff = PrefixAffinity()
+    a, b = Replica(address="a:1", pool="m"), Replica(address="b:1", pool="m")
+    for r in (a, b):
+        scrape(r, 0.5, 0.0)
+    aff.on_scrape([a, b])
+    confirmed(aff, a)
+    confirmed(aff, b)
+    aff.record(a, req(user="latest"), 0.0, 5.0)
+    cached = aff.cached_tokens(req(user="next"))
+    assert cached[a] == pytest.approx(cached[b] / OLDER_HOLDER * aff.confidence(a) / aff.confidence(b))
+    assert cached[a] > cached[b] > 0
