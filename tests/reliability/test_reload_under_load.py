@@ -191,7 +191,8 @@ def test_sighup_reload_under_load(tmp_path: Path) -> None:
         for t in threads:
             t.join(15)
         assert sidecar.alive(), "SIGHUP killed the sidecar"
-        assert len(results) >= 8 and all(r[0] == 200 and r[1] >= 60 and r[2] is None for r in results), results
+        failed = [r for r in results if not (r[0] == 200 and r[1] >= 60 and r[2] is None)]
+        assert len(results) >= 8 and not failed, (len(results), failed)
         # the removed replica gets nothing new after the reload (at most what was already in flight)
         assert wait_for(lambda: sim_metric(drop, "vllm:num_requests_running") == 0, 5)
         assert sim_metric(drop, "vllm:request_success_total") - served_drop <= 4

@@ -12,7 +12,8 @@ from extproc.sim import cli
 from extproc.sim.engine import Engine, Request, block_hashes, run_offline
 from extproc.sim.presets import TINY_CPU
 
-from .conftest import chat_body, wait_for, words
+from ..waiting import wait_for_async
+from .conftest import chat_body, words
 
 
 def test_prefix_caching_is_on_by_default_and_has_vllms_off_switch() -> None:
@@ -102,8 +103,8 @@ async def test_abort_stops_generation_at_once_but_the_gauge_lags(sim_factory, ht
                 got += 1
             if got >= 3:
                 break
-    await wait_for(lambda: not sim.engine.running, timeout=5)
+    assert await wait_for_async(lambda: not sim.engine.running, timeout=5)
     assert sim.collector.lagging_running == 1  # vllm:num_requests_running still counts it
     assert sim.engine.stats.ghost_tokens <= 1
-    await wait_for(lambda: sim.collector.lagging_running == 0, timeout=5 + TINY_CPU.cost.abort / 0.2)
+    assert await wait_for_async(lambda: sim.collector.lagging_running == 0, timeout=5 + TINY_CPU.cost.abort / 0.2)
     await asyncio.sleep(0)
