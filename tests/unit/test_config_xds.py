@@ -40,7 +40,7 @@ def test_invalid_policies_name_the_problem(data, words):
 
 
 SECTIONS = ("gateway", "sidecar", "limits", "simulator", "pools", "admission", "routing", "budgets", "tenants",
-            "streaming", "epp")
+            "streaming")
 
 
 def _with_typo(section: str) -> tuple[dict, str]:
