@@ -319,14 +319,18 @@ class Policy:
                 f"must exceed sidecar.max_queue_wait_ms ({hold_s:g} s): a held request would be cut")
 
     def derive(self) -> None:
-        """Fill the values one section derives from another: admission.max_wait_s 0 = sidecar.max_queue_wait_ms;
+        """Fill the values one section derives from another: admission.max_wait_s 0 (derived from the SLO by the
+        scheduler) never exceeds sidecar.max_queue_wait_ms, the longest Envoy holds a request for the sidecar;
         budgets.retry.duplicate_wait_s at most half of sidecar.message_timeout_ms."""
-        if self.admission.max_wait_s <= 0:
-            self.admission.max_wait_s = self.sidecar.max_queue_wait_ms / 1000.0
+        cap_s = self.sidecar.max_queue_wait_ms / 1000.0
+        adm = self.admission
+        if adm.max_wait_s > cap_s or (adm.max_wait_s <= 0 and adm.ttft_target_s > cap_s):
+            adm.max_wait_s = cap_s
         retry = self.budgets.retry
-        cap_s = self.sidecar.message_timeout_ms / 2000.0  # Envoy waits no longer than the timeout for the answer
-        if retry.duplicate_wait_s > cap_s:
-            self.budgets = dataclasses.replace(self.budgets, retry=dataclasses.replace(retry, duplicate_wait_s=cap_s))
+        dup_cap_s = self.sidecar.message_timeout_ms / 2000.0  # Envoy waits no longer than the timeout for the answer
+        if retry.duplicate_wait_s > dup_cap_s:
+            self.budgets = dataclasses.replace(self.budgets,
+                                               retry=dataclasses.replace(retry, duplicate_wait_s=dup_cap_s))
 
     @property
     def default_pool(self) -> PoolConfig:

@@ -18,8 +18,9 @@ Classes: `normal` and `heavy` requests.
 Headline metrics: `slo_goodput_rps`, `ttft_p95_s` of normal requests sent during the heavy phase,
 `ttft_p95_before_s` of normal requests before it, `heavy_slowdown` = their ratio (attempts without a first token
 censored at the time they waited), `heavy_ttft_p50_s`. Reproduced on envoy-rr when heavy_slowdown >= 5.
-Sluice is told: the SLO (`admission.ttft_target_s`). Lanes stay at the defaults (short <= 1,024, normal <=
-8,192, long above on at most half the replicas): the 6,000-token heavy prompts share the normal lane.
+Sluice is told: the SLO (`admission.ttft_target_s`). Lanes stay at the defaults, cut by predicted prefill seconds
+relative to the SLO (short <= 0.1 x, normal <= 0.5 x, long above on at most half the replicas): the 6,000-token
+heavy prompts (1.7 s of prefill against a 0.5 s SLO) go to the long lane.
 """
 
 from __future__ import annotations

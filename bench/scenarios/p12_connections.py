@@ -24,8 +24,8 @@ of the rejections were clean.
 Every stream carries `x-sluice-tenant: streams`.
 Sluice is told: the SLO (`admission.ttft_target_s`). Its open-request cap is derived by default
 (`sidecar.max_open_requests` 0: 90 % of the connection limit), so it answers the excess with a clean 429 before
-Envoy runs out of connections; admission (`max_concurrency_per_replica` 64, the waiting and TTFT limits) at its
-defaults. The connection limit (`gateway.max_downstream_connections`) is environment: every Envoy-based system
+Envoy runs out of connections; admission (per-replica concurrency from the engine's learned max_num_seqs, the waiting and TTFT limits) at
+its defaults. The connection limit (`gateway.max_downstream_connections`) is environment: every Envoy-based system
 gets it; smg has no such setting and runs with its own defaults.
 """
 

@@ -1,24 +1,36 @@
-"""Which replica, if any, may take this request now: the saturation filter and the score (P3, P7, P9).
+"""Which replica, if any, may take this request now: the saturation filter and the score (P3, P7, P9, P12, P13).
 
 A replica fits a request when, with the request added, it stays within every limit:
-  KV      used + footprint <= capacity x weight x (1 - margin)   used = max(scraped + placed since, reserved)
+  KV      held + footprint <= capacity x weight x (1 - margin), where held is what the engine holds now: its
+          scraped KV usage, plus the footprints placed since that scrape, plus the engine's waiting requests (not
+          in its KV yet), plus what its running requests decoded since the scrape (`kv_held`). A request's full
+          footprint (prompt + expected output) counts only until the engine's numbers include it, not for its
+          whole life: a stream whose client reads slowly holds nothing in an engine that finished it (P13)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
-  running requests on it (this sidecar's, plus the other sidecars' when they share through Redis) <
-          max_concurrency x weight
-  prefill predicted prefill backlog + prompt <= prefill rate x TTFT limit x weight (an idle replica always
+  running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
+          the cap learned from the engine (seq_cap.py); unknown, at most double what the engine showed per
+          scrape (`_over_concurrency`, P12). An explicit max_concurrency_per_replica caps this sidecar's requests
+          plus the other sidecars' when they share through Redis
+  prefill predicted prefill backlog + uncached prompt <= prefill rate x TTFT limit x weight (an idle replica always
           takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
           the client's time left (its own timeout header) when that is less: work the client will have
           abandoned is not sent (P4, P5)
   lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
+  tenant  while several tenants are active, the dominant one queues behind at most tenant_backlog_share x
+          ttft_target_s of prefill per replica (and, with tenant_prefill_share < 1, prefills on at most that share
+          of the replicas)
   fresh   its metrics are recent; a serving (healthy or recovering) replica whose metrics are stale but that was
           scraped before is placed cautiously, at STALE_WEIGHT x its weight in every limit and the score (a busy
           vLLM answers /metrics in seconds now and then; the sidecar's own accounting still holds), any other
           replica with stale metrics counts as saturated
 Among fitting replicas the lowest score wins:
-  score = predicted TTFT / TTFT target + kv_weight x KV fraction after placing + waiting_weight x engine waiting
+  score = (prefill backlog + uncached prompt) / prefill rate / TTFT target
+          + kv_weight x KV fraction after placing + waiting_weight x engine waiting
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
+where the uncached prompt is prompt - confidence x cached tokens of its prefix there (prefix_affinity.py): the
+prefix term, which makes requests that share a prefix go where it is cached while that replica has headroom.
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
 
 A confined lane's share counts replicas *prefilling* its prompts (predicted from the prefill backlog), not
@@ -28,35 +40,39 @@ prefill (the engine would prefill them one after another anyway), and once a pre
 replica by score. Stacking made the same half of the pool hold every long context: KV spread 0.29 in P7 against
 0.12 now (P7).
 
-Tenants get the same kind of share (P1f): while more than one tenant is active (a request seen within the last
-TENANT_ACTIVE_S), the dominant tenant may be prefilling on at most max(1, tenant_prefill_share x routable
-replicas) at once.
-The fair queue already puts a quiet tenant's request first, but a replica prefills in arrival order: if every
-replica is busy with the flooding tenant's prompts, the quiet one's prompt shares the step with one of them and
-its TTFT doubles. The share keeps replicas free of the dominant tenant's prefill. Only the tenant sending more
-than DOMINANT_SHARE of the recent requests is held, a tenant alone never is; at its share it may still queue
-behind its own prefills (its replicas stay busy), and its other requests wait in the fair queue (not shed).
+Tenants (P1f): a tenant is dominant while it sent more than DOMINANT_SHARE of the recent prompt tokens
+(decayed over TENANT_ACTIVE_S) and another tenant is active. The fair queue already puts a quiet tenant's request
+first, but a replica prefills in arrival order: a quiet prompt placed behind the flood's queued prompts waits for
+all of them. The backlog share keeps each replica's queue of the dominant tenant's prefill short (at most
+tenant_backlog_share x the TTFT target, and always one prompt, so each replica stays busy with the flood: its
+throughput does not change, its other requests wait in the fair queue instead of the engine), which bounds how
+long a quiet prompt waits. The replica share (off by default) goes further: it keeps whole replicas free of the
+dominant tenant's prefill, at the cost of the flood's throughput when the others do not use them.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Callable
 
 from extproc.admission.policy import AdmissionPolicy
+from extproc.admission.prefix_affinity import PrefixAffinity
 from extproc.request import LLMRequest
 from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
 WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
 TENANT_ACTIVE_S = 2.0  # a tenant with a request seen this recently counts as active for the tenant share
-DOMINANT_SHARE = 0.5  # a tenant sending more than this share of the recent requests may be held at its share
+DOMINANT_SHARE = 0.5  # a tenant sending more than this share of the recent prompt tokens may be held
 MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants idle for TENANT_ACTIVE_S go
 DEADLINE_SHARE = 0.75  # of the client's time left, the most a predicted first token (or answer) may take: the
                        # prediction counts prefill only, and decode steps sharing the engine lengthen it (P5)
 MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
 STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
+UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
+PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
+REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
+                # scheduler's timer): the replica never runs dry between dispatches
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
 NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
@@ -72,7 +88,9 @@ class Placer:
         self.policy = policy
         self.is_fresh = is_fresh
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
-        self.rate = policy.prefill_tokens_per_s
+        self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
+        self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
+        self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         self._lane_caps: list[int] = []
         self.on_replicas_changed()
@@ -81,13 +99,18 @@ class Placer:
         self._confined_above = [[i for i in confined if i > lane] for lane in range(len(policy.lanes))]
         self.last_reasons: dict[str, int] = {}
         self.tenant_share = policy.tenant_prefill_share
+        self.backlog_share = policy.tenant_backlog_share
+        self._tenants_tracked = self.tenant_share < 1 or self.backlog_share < 1
         # The two most recent tenants seen (O(1) "is another tenant active?"): the latest tenant and when it was
         # seen, and when any other tenant was last seen.
         self._last_tenant = ""
         self._last_at = self._other_at = float("-inf")
-        # Arrivals per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (count, as of).
+        # Prompt tokens per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (tokens, as of).
         self._tenant_rate: dict[str, tuple[float, float]] = {}
         self._total = (0.0, 0.0)
+        # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
+        self._cached_for: LLMRequest | None = None
+        self._cached: dict[Replica, float] = {}
 
     def on_replicas_changed(self) -> None:
         """The pool's replica set changed (built, reloaded, or discovery added / removed one): new replicas get the
@@ -111,7 +134,7 @@ class Placer:
         left = r.prefill_backlog - self.rate * (now - r.prefill_at)
         return left if left > 0 else 0.0
 
-    def predicted_ttft_s(self, r: Replica, prompt_tokens: int, now: float) -> float:
+    def predicted_ttft_s(self, r: Replica, prompt_tokens: float, now: float) -> float:
         return (self.backlog(r, now) + prompt_tokens) / self.rate
 
     def weight(self, r: Replica, now: float) -> float:
@@ -129,15 +152,53 @@ class Placer:
         """Routable, and its metrics allow placing on it (see `weight`)."""
         return r.routable and self.weight(r, now) > 0
 
+    def prefill_s(self, prompt_tokens: float) -> float:
+        """Predicted prefill time of a prompt on an idle replica, at the pool's learned speed (its lane)."""
+        return prompt_tokens / self.rate
+
+    def uncached_prompt(self, req: LLMRequest) -> float:
+        """The prompt tokens the best replica for its prefix must compute (for the request's lane)."""
+        if self.prefix is None:
+            return float(req.prompt_tokens)
+        cached = self.prefix.cached_tokens(req)
+        return req.prompt_tokens - max(cached.values()) if cached else float(req.prompt_tokens)
+
+    def kv_held(self, r: Replica, now: float) -> float:
+        """KV tokens the replica's engine holds now, as far as this sidecar can tell:
+
+            scraped usage x capacity                  what the engine reported it holds
+          + footprints placed since that scrape       prompt + expected output each: not in the report yet
+          + engine waiting x mean footprint here      queued in the engine, not yet in its KV
+          + running x (now - scraped at) / decode s   what its running requests decoded since
+
+          + the other sidecars' growth since the scrape   (shared through Redis: shared now - shared at scrape)
+
+        Without engine numbers (never scraped, or metrics_style none), the reservations in flight (a full
+        footprint per request, this sidecar's and the others'). Growth beyond now is what kv_margin keeps free
+        for (P9)."""
+        e = r.engine
+        if not e.scraped_at:
+            return float(r.inflight_tokens + r.shared_tokens)
+        held = e.kv_usage * r.kv_capacity_tokens + r.placed_since_scrape_tokens
+        others_since = r.shared_tokens - r.shared_at_scrape
+        if others_since > 0:
+            held += others_since
+        if e.waiting and r.inflight_requests:
+            held += e.waiting * r.inflight_tokens / r.inflight_requests
+        if e.running and now > e.scraped_at:
+            held += e.running * (now - e.scraped_at) / self.decode_s
+        return held
+
     def max_footprint(self) -> float:
         """The largest footprint any replica could ever hold (for "can never fit")."""
         caps = [r.kv_capacity_tokens for r in self.pool.replicas if r.kv_capacity_tokens]
         return max(caps) * (1 - self.policy.kv_margin) if caps else float("inf")
 
     # ---- the filter ------------------------------------------------------------------------------------
-    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float) -> str | None:
+    def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
+                prompt: float | None = None) -> str | None:
         """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s`: the predicted TTFT allowed
-        (`ttft_limit_s()`)."""
+        (`ttft_limit_s()`); `prompt`: the tokens of its prompt `r` must compute (default: all of them)."""
         pol = self.policy
         if not r.routable:
             if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
@@ -150,23 +211,55 @@ class Placer:
         lane_set = self._lane_sets[lane]
         if lane_set and r.address not in lane_set:
             return LANE
-        if r.inflight_requests + r.shared_requests >= max(1, int(pol.max_concurrency_per_replica * w)):
+        if self._over_concurrency(r, w):
             return CONCURRENCY
         if r.engine.waiting > pol.max_waiting_per_replica:
             return QUEUE_FULL
         cap = r.kv_capacity_tokens
-        if cap and r.kv_used_tokens() + req.total_tokens > cap * w * (1 - pol.kv_margin):
+        if cap and self.kv_held(r, now) + req.total_tokens > cap * w * (1 - pol.kv_margin):
             return KV_FULL
         backlog = self.backlog(r, now)
-        if backlog > 0 and backlog + req.prompt_tokens > self.rate * ttft_limit_s * w:
-            return PREFILL
+        if backlog > 0:
+            if prompt is None:
+                prompt = req.prompt_tokens
+            if backlog + prompt > self.rate * ttft_limit_s * w:
+                return PREFILL
         return None
 
-    def ttft_limit_s(self, req: LLMRequest, now: float) -> float:
-        """The predicted TTFT a replica may offer this request: the policy's target, and less when the client's own
+    def _over_concurrency(self, r: Replica, w: float) -> bool:
+        """The replica runs as many requests as it may take (P12). An explicit max_concurrency_per_replica caps
+        this sidecar's requests on it. Otherwise the engine's own count decides: with its sequence cap learned
+        (seq_cap.py), running + waiting + placed since the scrape must stay under cap x weight + max_waiting
+        (beyond it a request waits in the engine, where it cannot move to another replica); with the cap
+        unknown, placements since the scrape may at most match what the engine showed (+ PROBE_BASE), so the
+        in-flight count at most doubles per scrape interval until the engine shows its cap. A replica without
+        metrics: UNSCRAPED_CONCURRENCY of this sidecar's requests."""
+        fixed = self.policy.max_concurrency_per_replica
+        if fixed:
+            return r.inflight_requests + r.shared_requests >= max(1, int(fixed * w))
+        e = r.engine
+        if not e.scraped_at:
+            return r.inflight_requests + r.shared_requests >= max(1, int(UNSCRAPED_CONCURRENCY * w))
+        seen = e.running + e.waiting
+        if r.max_num_seqs:
+            return seen + r.placed_since_scrape_requests >= max(1, int(r.max_num_seqs * w)) + \
+                self.policy.max_waiting_per_replica
+        return r.placed_since_scrape_requests >= max(PROBE_BASE, int(seen * w))
+
+    def _concurrency_bound(self, r: Replica) -> int:
+        """Requests the replica may run: the explicit limit, else its engine's learned cap, else the default."""
+        return self.policy.max_concurrency_per_replica or r.max_num_seqs or UNSCRAPED_CONCURRENCY
+
+    def ttft_limit_s(self, req: LLMRequest, now: float, waited: float = 0.0) -> float:
+        """The predicted TTFT a replica may offer this request: what is left of the policy's target after the
+        `waited` seconds it spent in the sidecar's queue (never less than its own prefill + REFILL_S), so its first
+        token still comes within the SLO: under a sustained overload the engines' queues stay short and the wait
+        happens here, where it is fair and can be shed with retry-after (P1f). Less again when the client's own
         timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
         P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
+        if waited > 0:
+            limit = max(limit - waited, req.prompt_tokens / self.rate + REFILL_S)
         left = req.time_left_s(now)
         if left is not None:
             left = DEADLINE_SHARE * left - self.answer_decode_s(req)
@@ -175,8 +268,9 @@ class Placer:
         return limit
 
     def answer_decode_s(self, req: LLMRequest) -> float:
-        """Decode time a non-streaming client waits for before its answer (a streaming one: 0)."""
-        return 0.0 if req.stream else req.max_output_tokens * self.policy.decode_s_per_token
+        """Decode time a non-streaming client waits for before its answer (a streaming one: 0), at the engines'
+        learned time per token (decode_time.py)."""
+        return 0.0 if req.stream else req.max_output_tokens * self.decode_s
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:
@@ -194,41 +288,45 @@ class Placer:
                 prefilling += 1
         return prefilling >= cap
 
-    def note_tenant(self, tenant: str, now: float) -> None:
-        """A request of `tenant` arrived: decayed arrival counts (tenant and total) say who dominates, and the
-        two most recent tenants say whether more than one is active."""
-        if self.tenant_share >= 1:
+    # ---- tenants (P1f) ---------------------------------------------------------------------------------------
+    def note_tenant(self, tenant: str, now: float, tokens: float = 1.0) -> None:
+        """A request of `tenant` with `tokens` prompt tokens arrived: decayed token counts (tenant and total) say
+        who dominates, and the two most recent tenants say whether more than one is active."""
+        if not self._tenants_tracked:
             return
         if tenant != self._last_tenant:
             self._other_at = self._last_at
             self._last_tenant = tenant
         self._last_at = now
-        self._total = (self._decayed(self._total, now) + 1.0, now)
+        self._total = (self._decayed(self._total, now) + tokens, now)
         seen = self._tenant_rate.get(tenant)
         if seen is None and len(self._tenant_rate) >= MAX_TRACKED_TENANTS:
             self._tenant_rate = {t: v for t, v in self._tenant_rate.items() if now - v[1] < TENANT_ACTIVE_S}
-        self._tenant_rate[tenant] = ((self._decayed(seen, now) if seen else 0.0) + 1.0, now)
+        self._tenant_rate[tenant] = ((self._decayed(seen, now) if seen else 0.0) + tokens, now)
 
     @staticmethod
     def _decayed(v: tuple[float, float], now: float) -> float:
         return v[0] * math.exp((v[1] - now) / TENANT_ACTIVE_S)
 
+    def _dominant(self, tenant: str, now: float) -> bool:
+        """Another tenant is active and this one sent more than DOMINANT_SHARE of the recent prompt tokens."""
+        if not self._tenants_tracked:
+            return False
+        other = self._other_at if tenant == self._last_tenant else self._last_at
+        if other < now - TENANT_ACTIVE_S:
+            return False  # alone: never limited
+        seen = self._tenant_rate.get(tenant)
+        return seen is not None and self._decayed(seen, now) > DOMINANT_SHARE * self._decayed(self._total, now)
+
     def tenant_full(self, tenant: str, now: float) -> bool:
-        """The tenant sends most of the recent requests while another tenant is active, and is prefilling on its
-        share of the replicas (or more): it may take no other replica, so replicas stay free of its prefill for
-        the others (P1f). A quieter tenant is never held, nor a tenant alone."""
+        """The tenant is held at its replica share (tenant_prefill_share): it may take no other replica, so
+        replicas stay free of its prefill for the others (P1f). A quieter tenant is never held, nor one alone."""
         return self._tenant_over(tenant, now) >= 0
 
     def _tenant_over(self, tenant: str, now: float) -> int:
         """Replicas the tenant is prefilling on beyond its share: 0 at it, negative within it or when not limited."""
-        if self.tenant_share >= 1:
+        if self.tenant_share >= 1 or not self._dominant(tenant, now):
             return -1
-        other = self._other_at if tenant == self._last_tenant else self._last_at
-        if other < now - TENANT_ACTIVE_S:
-            return -1  # alone: never limited
-        seen = self._tenant_rate.get(tenant)
-        if seen is None or self._decayed(seen, now) <= DOMINANT_SHARE * self._decayed(self._total, now):
-            return -1  # not the dominant tenant
         prefilling = routable = 0
         for r in self.pool.replicas:
             if r.routable:
@@ -237,9 +335,16 @@ class Placer:
                     prefilling += 1
         return prefilling - max(1, int(self.tenant_share * routable + 1e-9))
 
-    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0) -> float:
+    def _tenant_backlog_s(self, tenant: str, now: float) -> float | None:
+        """The prefill backlog (seconds) a dominant tenant's prompt may queue behind on a replica; None: no limit."""
+        if self.backlog_share >= 1 or not self._dominant(tenant, now):
+            return None
+        return self.backlog_share * self.policy.ttft_target_s
+
+    # ---- the score and the picker --------------------------------------------------------------------------
+    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, prompt: float | None = None) -> float:
         pol = self.policy
-        s = self.predicted_ttft_s(r, req.prompt_tokens, now) / pol.ttft_target_s
+        s = self.predicted_ttft_s(r, req.prompt_tokens if prompt is None else prompt, now) / pol.ttft_target_s
         # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
         # backlog estimate may understate) is the last choice for smaller requests.
         for bigger in self._confined_above[lane]:
@@ -251,18 +356,17 @@ class Placer:
             s += WEIGHT_PENALTY * (1.0 - w)
         cap = r.kv_capacity_tokens
         if cap:
-            s += pol.score_kv_weight * (r.kv_used_tokens() + req.total_tokens) / cap
+            s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens) / cap
         else:
-            busy = r.inflight_requests + r.shared_requests
-            s += pol.score_kv_weight * busy / pol.max_concurrency_per_replica
+            s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
         return s + pol.score_waiting_weight * r.engine.waiting
 
-    def choose(self, req: LLMRequest, lane: int, now: float) -> list[Replica] | None:
-        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now. A request with a
-        subset (the gateway's hint in EPP mode, `req.subset`) considers only the replicas it allows."""
+    def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:
+        """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now (`waited`: seconds
+        the request has been queued). A request with a subset (the gateway's hint in EPP mode, `req.subset`)
+        considers only the replicas it allows."""
         best = second = None
         best_s = second_s = 0.0
-        affinity = self._affinity(req) if self.policy.affinity_slack > 0 else None
         reasons = self.last_reasons
         reasons.clear()
         if self.lane_full(lane, now):
@@ -275,7 +379,10 @@ class Placer:
             reasons[TENANT] = len(self.pool.replicas)
             return None
         tenant = req.tenant if over == 0 else None
-        ttft_limit = self.ttft_limit_s(req, now)
+        held_s = self._tenant_backlog_s(req.tenant, now)
+        ttft_limit = self.ttft_limit_s(req, now, waited)
+        cached = self.prefix.cached_tokens(req) if self.prefix is not None else {}
+        self._cached_for, self._cached = req, cached
         subset = req.subset
         for r in self.pool.replicas:
             if subset is not None and not subset.allows(r.address):
@@ -283,13 +390,15 @@ class Placer:
             if tenant is not None and r.tenant_prefill_until.get(tenant, 0.0) <= now:
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
-            why = self.why_not(r, req, lane, now, ttft_limit)
+            if held_s is not None and self.backlog(r, now) > self.rate * held_s * (r.weight or 0.1):
+                reasons[TENANT] = reasons.get(TENANT, 0) + 1
+                continue
+            prompt = req.prompt_tokens - cached[r] if r in cached else req.prompt_tokens
+            why = self.why_not(r, req, lane, now, ttft_limit, prompt)
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
-            s = self.score(r, req, now, lane)
-            if r is affinity:
-                s /= 1 + self.policy.affinity_slack
+            s = self.score(r, req, now, lane, prompt)
             if best is None or s < best_s:
                 second, second_s, best, best_s = best, best_s, r, s
             elif second is None or s < second_s:
@@ -298,18 +407,14 @@ class Placer:
             return None
         return [best] if second is None else [best, second]
 
-    def _affinity(self, req: LLMRequest) -> Replica | None:
-        """Rendezvous hash of the prompt prefix: the same system prompt prefers the same replica (its prefix
-        cache is warm) while that replica's score stays within affinity_slack of the best."""
-        if not req.prefix_key:
-            return None
-        key = req.prefix_key.to_bytes(4, "little")
-        return max(self.pool.replicas, key=lambda r: zlib.crc32(r.address.encode(), zlib.crc32(key)))
-
     # ---- accounting ------------------------------------------------------------------------------------
     def commit(self, r: Replica, req: LLMRequest, lane: int, now: float) -> None:
+        """`req` goes to `r`: charge its uncached prompt to the replica's prefill backlog, and remember its prefix
+        there (prefix_affinity.py)."""
+        cached = self._cached.get(r, 0.0) if self._cached_for is req else 0.0
+        self._cached_for, self._cached = None, {}
         r.place(req.total_tokens, req.prompt_tokens)
-        r.prefill_backlog = self.backlog(r, now) + req.prompt_tokens
+        r.prefill_backlog = self.backlog(r, now) + req.prompt_tokens - cached
         r.prefill_at = now
         r.lane_prefill_until[lane] = now + r.prefill_backlog / self.rate  # prompts ahead of it prefill first
         r.lane_inflight[lane] += 1
@@ -319,6 +424,8 @@ class Placer:
                 for t in [t for t, end in until.items() if end <= now]:
                     del until[t]
             until[req.tenant] = r.lane_prefill_until[lane]
+        if self.prefix is not None and req.prefix_chain:
+            self.prefix.record(r, req, self.prefix.predicted_tokens(r, req), now)
 
     def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int) -> None:
         r.release(req.total_tokens, req.prompt_tokens, epoch)

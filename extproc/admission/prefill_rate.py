@@ -6,9 +6,10 @@ pessimistic for short prompts and optimistic for long ones. Too pessimistic, and
 during a burst while the sidecar sheds work they could have done in time (measured in P1: the pool took 22 of
 its ~70 requests/s). This module measures the speed instead.
 
-A measurement is the engine's prompt-token counter over one scrape interval that began with a non-empty
-engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty at the
-end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower bound
+A measurement is the engine's prompt-token counter, less its prefix-cache hits (tokens found cached are not
+computed, and the placer charges only the uncached part of a prompt), over one scrape interval that began with a
+non-empty engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty at
+the end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower bound
 (it can raise the estimate, never lower it). Lower bounds matter: the gate itself keeps the engines' queues
 short, so with a pessimistic speed an engine is saturated only for a moment at the start of a burst, and that
 moment must be enough to open the gate. An interval without any engine queue says only how much work was
@@ -63,6 +64,7 @@ class _Seen:
 
     at: float = 0.0            # scraped_at of the previous scrape
     total: float = -1.0        # prompt tokens counter then (-1: none)
+    hits: float = -1.0         # prefix-cache hits counter then (-1: none)
     waiting: int = 0           # engine waiting queue then
     rate: float = 0.0          # learned prompt tokens/s (0: never measured)
     measured_at: float = 0.0
@@ -103,8 +105,11 @@ class PrefillRate:
         if at <= s.at:
             return  # no new scrape of this replica
         total = getattr(e, "prompt_tokens_total", -1.0)
+        hits = getattr(e, "prefix_hits_total", -1.0)
         span = at - s.at
         delta = total - s.total
+        if hits >= s.hits >= 0:
+            delta -= hits - s.hits  # tokens found in the prefix cache were not computed
         if (learn and s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0
                 and _top_lane(r) < self.long_lane):
             old = self._relaxed(s, at)
@@ -120,7 +125,7 @@ class PrefillRate:
             if new > 0:
                 s.rate, s.measured_at = min(new, old * MAX_STEP), at
                 s.prompt, s.lane = _mean_prompt(r), _top_lane(r)
-        s.at, s.total, s.waiting = at, total, e.waiting
+        s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
 
     @staticmethod
     def _size_factor(s: _Seen, r: Replica) -> float:

@@ -20,12 +20,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from extproc.admission import metrics as am
+from extproc.admission.decode_time import DecodeTime
+from extproc.admission.placement import REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
+from extproc.admission.seq_cap import SeqCap
 from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
-from extproc.admission.placement import Placer
 from extproc.routing.pool import Pool, Replica
 
 
@@ -101,18 +103,25 @@ class Scheduler:
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
         self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1))
+        self.decode = DecodeTime(policy.decode_s_per_token)
+        self.seq_cap = SeqCap()
         self.calibration = TokenCalibration(policy.calibrate_prompt_tokens)
         self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
         self.m.estimate_factor(self.calibration.factor)
 
     def on_scrape(self, now: float) -> None:
-        """After a scrape round: the placer's prefill speed follows what the engines showed they can do, and
-        prompt estimates follow what the engines counted."""
-        factor = self.calibration.update(self.pool.replicas, now)
+        """After a scrape round: the placer's prefill speed, decode time per token, engines' sequence caps and
+        prefix-cache confidence follow what the engines showed, and prompt estimates follow what they counted."""
+        replicas = self.pool.replicas
+        factor = self.calibration.update(replicas, now)
         self.m.estimate_factor(factor)
-        rate = self.prefill.update(self.pool.replicas, now)
+        rate = self.prefill.update(replicas, now)
         self.placer.rate = rate
         self.m.prefill_rate(rate)
+        self.placer.decode_s = self.decode.update(replicas)
+        self.seq_cap.update(replicas)
+        if self.placer.prefix is not None:
+            self.placer.prefix.on_scrape(replicas)
         if self.queued_total() and self.pool_down():  # the pool just went down: nobody waits out the outage
             for lane, w in self._take_queued():
                 self.m.shed(lane, "pool_down")
@@ -126,7 +135,7 @@ class Scheduler:
     def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:
         """Dispatch now (Placement), or queue (Waiter whose future resolves to a Placement). Raises Shed."""
         pol = self.policy
-        lane = pol.lane_for(req.prompt_tokens)
+        lane = pol.lane_for(self.placer.prefill_s(self.placer.uncached_prompt(req)))
         if req.total_tokens > self.placer.max_footprint():
             self.m.shed(lane, "never_fits")
             raise Shed(400, "context_length_exceeded",
@@ -145,7 +154,7 @@ class Scheduler:
             raise self._pool_unavailable("")
         prio = self.prio_index.get(req.priority, 0)
         queue = self.queues[lane]
-        self.placer.note_tenant(req.tenant, now)
+        self.placer.note_tenant(req.tenant, now, req.prompt_tokens)
         if not queue.has_waiting_at_or_above(prio):
             placed = self._try_place(req, lane, now)
             if placed is not None:
@@ -181,14 +190,24 @@ class Scheduler:
         return waiter
 
     def _wait_budget(self, req: LLMRequest, now: float) -> float:
-        """How long this request may wait here: the policy's max wait, and never so long that the client's own
-        deadline passes before it could get its first token (stream) or its whole answer (non-stream). Work
-        dispatched just before the client gives up is ghost load (P4)."""
-        budget = self.policy.max_wait_s
+        """How long this request may wait here: the policy's max wait, by default the SLO (ttft_target_s) minus
+        its own predicted prefill (at most half the SLO) and REFILL_S, so a request that could not get its first token within
+        the SLO is told at once to retry later (P1f); and never so long that the client's own deadline passes
+        before it could get its first token (stream) or its whole answer (non-stream). Work dispatched just before
+        the client gives up is ghost load (P4)."""
+        pol = self.policy
+        prefill = req.prompt_tokens / self.placer.rate
+        if pol.max_wait_s > 0:
+            budget = pol.max_wait_s
+        else:
+            # Dispatched from the queue, it may land behind REFILL_S of prefill. A prompt whose prefill alone takes
+            # most of the SLO cannot meet it by waiting less: it may wait half of it, and is served when a replica
+            # frees (its lane keeps it off the others' way).
+            target = pol.ttft_target_s
+            budget = max(REFILL_S, target - REFILL_S - min(prefill, 0.5 * target))
         left = req.time_left_s(now)
         if left is not None:
-            service = req.prompt_tokens / self.placer.rate + self.placer.answer_decode_s(req)
-            budget = min(budget, 0.9 * left - service)
+            budget = min(budget, 0.9 * left - prefill - self.placer.answer_decode_s(req))
         return budget
 
     def drain_rate(self, lane: int, now: float) -> float:
@@ -218,10 +237,10 @@ class Scheduler:
             return self.lane_requests[lane] == 0  # one oversized request may run alone
         return True
 
-    def _try_place(self, req: LLMRequest, lane: int, now: float) -> Placement | None:
+    def _try_place(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> Placement | None:
         if not self._lane_allows(lane, req):
             return None
-        pins = self.placer.choose(req, lane, now)
+        pins = self.placer.choose(req, lane, now, waited)
         if pins is None:
             self.m.saturated(self.placer.last_reasons)
             return None
@@ -246,9 +265,9 @@ class Scheduler:
                     queue.remove(w)
                     self.m.queued(lane, w.priority, -1)
                     continue
-                placed = self._try_place(w.req, lane, now)
+                placed = self._try_place(w.req, lane, now, now - w.enqueued)
                 if placed is None:
-                    if not self.placer.tenant_full(w.tenant, now):
+                    if not self.placer.last_reasons.get(TENANT):
                         break  # the pool is full: nothing else fits either
                     held = held or set()
                     held.add(w.tenant)
@@ -338,6 +357,8 @@ class Scheduler:
             self.calibration = old.calibration
             self.calibration.enabled = True
             self.m.estimate_factor(self.calibration.factor)
+        if self.placer.prefix is not None and old.placer.prefix is not None:
+            self.placer.prefix = old.placer.prefix  # where prefixes were placed, and the engines' confirmation
         for lane, w in old._take_queued():
             self.queues[lane].push(w)
             self.m.queued(lane, w.priority, +1)

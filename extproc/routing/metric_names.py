@@ -21,6 +21,7 @@ hit rate) which are averaged; histogram buckets summed per `le`.
 | prompt_tps             | vllm:prompt_tokens_total (counter delta / window)       | sglang:prompt_tokens_total      |
 | errors_total           | vllm:request_success_total{finished_reason=error|abort} | -                               |
 | prefix_hit_rate (ext.) | vllm:prefix_cache_hits_total / _queries_total (deltas)  | sglang:cache_hit_rate           |
+| itl_s (ext.)           | vllm:inter_token_latency_seconds _sum / _count (deltas) | sglang:inter_token_latency_seconds |
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ FRACTION = 1      # averaged over label sets (a 0..1 ratio per engine)
 COUNTER = 2       # summed; windowed rates come from deltas
 HIST_BUCKET = 3   # <hist>_bucket{le=...}: summed per le
 HIST_COUNT = 4    # <hist>_count (the +Inf bucket says the same; used when buckets are missing)
+HIST_STAT = 7     # <hist>_sum or <hist>_count of a histogram read only for its mean (summed like a counter)
 OUTCOMES = 5      # counter with a finished_reason label
 CACHE_INFO = 6    # info gauge whose labels carry block_size and num_gpu_blocks
 
@@ -57,6 +59,7 @@ class MetricNames:
     prefix_queries: tuple[str, ...] = ()      # counter (tokens)
     prefix_hits: tuple[str, ...] = ()         # counter (tokens)
     cache_hit_rate: tuple[str, ...] = ()      # a 0..1 gauge (SGLang)
+    itl: tuple[str, ...] = ()                 # inter-token latency histogram (family names): its mean only
 
     def samples(self) -> dict[str, tuple[int, str, int]]:
         """sample name -> (kind, field, preference); what the line scanner dispatches on."""
@@ -81,6 +84,8 @@ class MetricNames:
         add(self.prefix_queries, COUNTER, "prefix_queries")
         add(self.prefix_hits, COUNTER, "prefix_hits")
         add(self.cache_hit_rate, FRACTION, "cache_hit_rate")
+        add(self.itl, HIST_STAT, "itl_sum", "_sum")
+        add(self.itl, HIST_STAT, "itl_count", "_count")
         return out
 
 
@@ -98,6 +103,7 @@ VLLM = MetricNames(
     cache_config_info=("vllm:cache_config_info",),
     prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
 )
 
 SGLANG = MetricNames(
@@ -111,6 +117,7 @@ SGLANG = MetricNames(
     ttft=("sglang:time_to_first_token_seconds",),
     kv_capacity_tokens=("sglang:max_total_num_tokens",),
     cache_hit_rate=("sglang:cache_hit_rate",),
+    itl=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
 )
 
 STYLES: dict[str, MetricNames] = {"vllm": VLLM, "sglang": SGLANG}

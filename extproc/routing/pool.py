@@ -58,10 +58,11 @@ class Replica:
     address: str
     pool: str
     kv_capacity_tokens: int = 0         # policy value or scraped; 0 = unknown (KV headroom not enforced)
-    max_num_seqs: int = 256
+    max_num_seqs: int = 0               # the engine's cap on requests it runs at once, learned by admission
+                                        # (admission/seq_cap.py); 0 = not known
     # this sidecar's own accounting, exact
     inflight_requests: int = 0
-    inflight_tokens: int = 0            # reserved footprint: prompt + expected output of each placed request
+    inflight_tokens: int = 0            # footprints (prompt + expected output) of this sidecar's requests in flight
     inflight_prompt_tokens: int = 0
     placed_prompt_total: int = 0        # estimated prompt tokens ever placed here ...
     placed_requests_total: int = 0      # ... in this many requests (token calibration)
@@ -134,18 +135,6 @@ class Replica:
         """The other sidecars' requests in flight here, as of the latest shared view."""
         self.shared_tokens = tokens
         self.shared_requests = requests
-
-    def kv_used_tokens(self) -> float:
-        """Best estimate of KV tokens in use now: the last scrape plus what was placed since (by this sidecar, and
-        the other sidecars' growth since the scrape), and never less than the reservations in flight (a full
-        footprint per request, so no preemption):
-
-            max(scraped + placed since + max(0, shared - shared at scrape), own in flight + shared in flight)
-        """
-        since_shared = self.shared_tokens - self.shared_at_scrape
-        scraped = (self.engine.kv_usage * self.kv_capacity_tokens + self.placed_since_scrape_tokens
-                   + (since_shared if since_shared > 0 else 0))
-        return max(scraped, float(self.inflight_tokens + self.shared_tokens))
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests

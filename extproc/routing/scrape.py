@@ -55,7 +55,8 @@ import aiohttp
 import yarl
 
 from extproc.routing import metrics as rm
-from extproc.routing.metric_names import CACHE_INFO, HIST_BUCKET, HIST_COUNT, OUTCOMES, MetricNames, names_for
+from extproc.routing.metric_names import (CACHE_INFO, HIST_BUCKET, HIST_COUNT, HIST_STAT, OUTCOMES, MetricNames,
+                                          names_for)
 from extproc.routing.policy import RoutingPolicy
 from extproc.routing.pool import EngineState, Pool, Replica
 
@@ -83,6 +84,11 @@ class ScrapedState(EngineState):
                                        # the prompt counter, the mean real prompt per request (token calibration)
     ttft_p95_recent_s: float = 0.0     # p95 TTFT over the last `History.recent_s` only (slow start's step)
     ttft_count_recent: float = 0.0     # first tokens within that short window
+    itl_s: float = 0.0                 # mean inter-token latency over the window (0: no token in it, or not
+                                       # exported); admission learns decode time per token from it
+    itl_count_window: float = 0.0      # inter-token intervals that mean covers
+    prefix_queries_total: float = -1.0  # the prefix-cache counters, in tokens (-1: not exported); admission
+    prefix_hits_total: float = -1.0     # confirms its prefix affinity from their deltas
 
 
 class Parsed:
@@ -90,7 +96,8 @@ class Parsed:
 
     __slots__ = ("running", "waiting", "kv_usage", "preemptions", "generation_tokens", "prompt_tokens",
                  "generation_tps_gauge", "kv_capacity_tokens", "prefix_queries", "prefix_hits", "cache_hit_rate",
-                 "ttft_bounds", "ttft_cum", "ttft_count", "finished", "errors", "cache_info_tokens")
+                 "ttft_bounds", "ttft_cum", "ttft_count", "finished", "errors", "cache_info_tokens", "itl_sum",
+                 "itl_count")
 
     def __init__(self) -> None:
         self.running = self.waiting = self.kv_usage = self.preemptions = None
@@ -102,6 +109,8 @@ class Parsed:
         self.finished: dict[str, float] = {}   # finished_reason -> count
         self.errors: float | None = None
         self.cache_info_tokens: int | None = None  # block_size x num_gpu_blocks (summed over engines)
+        self.itl_sum: float | None = None      # the inter-token latency histogram's _sum and _count
+        self.itl_count: float | None = None
 
     @property
     def first_tokens(self) -> float | None:
@@ -154,7 +163,7 @@ class MetricsParser:
         self._table = {k.encode(): v for k, v in table.items()}
         families = set()
         for name, (kind, _f, _p) in table.items():
-            if kind in (HIST_BUCKET, HIST_COUNT):
+            if kind in (HIST_BUCKET, HIST_COUNT, HIST_STAT):
                 name = name.rsplit("_", 1)[0]
             families.add(name.encode())
         self._prefixes = tuple(sorted(families))
@@ -345,7 +354,8 @@ def histogram_quantile(q: float, bounds: tuple[float, ...], cum: Iterable[float]
 
 
 class _Snap:
-    __slots__ = ("t", "gen", "prompt", "ttft", "ttft_count", "running", "waiting", "preempt", "pq", "ph")
+    __slots__ = ("t", "gen", "prompt", "ttft", "ttft_count", "running", "waiting", "preempt", "pq", "ph",
+                 "itl_sum", "itl_count")
 
     def __init__(self, t: float, p: Parsed) -> None:
         self.t = t
@@ -358,6 +368,8 @@ class _Snap:
         self.preempt = p.preemptions
         self.pq = p.prefix_queries
         self.ph = p.prefix_hits
+        self.itl_sum = p.itl_sum
+        self.itl_count = p.itl_count
 
 
 def _went_down(new: float | None, old: float | None) -> bool:
@@ -432,7 +444,7 @@ class History:
             st.generation_tps = p.generation_tps_gauge
         if p.cache_hit_rate is not None:
             st.prefix_hit_rate = p.cache_hit_rate
-
+        _fill_itl(st, new, base)
 
     def _fill_recent(self, st: ScrapedState) -> None:
         """p95 TTFT and first tokens over the last `recent_s` (the newest snapshot at or before now - recent_s
@@ -452,6 +464,16 @@ class History:
         deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
         st.ttft_count_recent = deltas[-1]
         st.ttft_p95_recent_s = histogram_quantile(0.95, self.bounds, deltas)
+
+
+def _fill_itl(st: ScrapedState, new: _Snap, base: _Snap) -> None:
+    """The window's mean inter-token latency: delta of the histogram's sum / delta of its count."""
+    if new.itl_count is None or base.itl_count is None or new.itl_sum is None or base.itl_sum is None:
+        return
+    n = new.itl_count - base.itl_count
+    if n > 0:
+        st.itl_s = (new.itl_sum - base.itl_sum) / n
+        st.itl_count_window = n
 
 
 def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> ScrapedState:
@@ -480,7 +502,15 @@ def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> Sc
     first = p.first_tokens
     if first is not None:
         st.first_tokens_total = first
+    _fill_prefix_totals(st, p)
     return st
+
+
+def _fill_prefix_totals(st: ScrapedState, p: Parsed) -> None:
+    """The prefix-cache counters as read (admission takes its own deltas between scrapes)."""
+    if p.prefix_queries is not None and p.prefix_hits is not None:
+        st.prefix_queries_total = p.prefix_queries
+        st.prefix_hits_total = p.prefix_hits
 
 
 def is_fresh(replica: Replica, now: float, stale_after_s: float) -> bool:

@@ -13,12 +13,12 @@ Protocol (one Redis round trip per `interval_s`, never per request; off the hot 
   deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
   `stale_after_s`: its load is then visible only through scrapes, as today.
 
-What placement adds (`Load` per replica, from `others()`; the Fleet copies it onto each `Replica`, see
-routing/pool.py `Replica.kv_used_tokens`):
-  reserved floor   own in-flight tokens + others' in-flight tokens
-  between scrapes  others' in-flight growth since this sidecar last scraped the replica:
-                   since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
-  concurrency      own in-flight requests + others' in-flight requests
+What placement adds (`Load` per replica, from `others()`; the Fleet copies it onto each `Replica`, and
+admission/placement.py `Placer.kv_held` and `_over_concurrency` read it):
+  never scraped    own in-flight tokens + others' in-flight tokens (the reservations)
+  between scrapes  others' in-flight growth since this sidecar last scraped the replica, on top of the engine's
+                   numbers: since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
+  concurrency      with an explicit or unknown cap: own in-flight requests + others' in-flight requests
 The view is at most `interval_s` + one round trip old; queues stay local (each sidecar admits its own requests).
 
 Losing Redis: any error empties the view (placement falls back to own placements + scrapes, today's behaviour),

@@ -1,7 +1,7 @@
 """The tenant share of prefill (P1f): the dominant tenant may prefill on only part of the pool while another
 tenant is active, so a quiet tenant's prompt finds a replica free of the flood's prefill."""
 
-from extproc.admission.placement import Placer
+from extproc.admission.placement import TENANT, Placer
 from extproc.config import parse_section
 from extproc.request import LLMRequest
 from extproc.routing.pool import Replica
@@ -92,3 +92,45 @@ def test_a_tenant_that_spread_before_it_dominated_waits_until_it_is_back_within_
 def test_share_is_off_by_default() -> None:
     """Holding a dominant tenant costs its throughput (P1f), so it is opt-in."""
     assert parse_section("admission", {}).tenant_prefill_share == 1.0
+
+
+def test_the_dominant_tenant_queues_behind_a_short_backlog_and_the_quiet_one_gets_the_rest():
+    """The default tenant backlog share (0.25 of the 2 s target: 0.5 s, 5,000 tokens): the flood keeps the replica
+    busy with its prompts, but a quiet prompt waits behind at most about that much of the flood's prefill."""
+    p = placing.placer(n=1)
+    p.note_tenant("quiet", 0.0, 100)
+    r = p.pool.replicas[0]
+    flood = 0
+    while True:
+        q = req("flood")
+        p.note_tenant("flood", 0.01, q.prompt_tokens)
+        pins = p.choose(q, NORMAL, 0.01)
+        if pins is None:
+            break
+        p.commit(pins[0], q, NORMAL, 0.01)
+        flood += 1
+    assert flood == 3 and p.last_reasons == {TENANT: 1}  # 0, 2,000 and 4,000 tokens ahead; 6,000 is too many
+    assert p.choose(req("quiet"), NORMAL, 0.01) == [r]  # the prefill gate's own limit (2 s) leaves room for it
+    assert p.choose(req("flood"), NORMAL, 0.2) == [r]  # 0.19 s later 4,100 tokens are left: the flood may add one
+
+
+def test_a_tenant_alone_fills_the_whole_prefill_budget():
+    p = placing.placer(n=1)
+    for i in range(10):
+        q = req("solo")
+        p.note_tenant("solo", 0.0, q.prompt_tokens)
+        pins = p.choose(q, NORMAL, 0.0)
+        assert pins is not None
+        p.commit(pins[0], q, NORMAL, 0.0)  # up to the 2 s target: 20,000 tokens
+
+
+def test_tenant_backlog_share_one_turns_it_off():
+    assert parse_section("admission", {}).tenant_backlog_share == 0.25
+    p = placing.placer(n=1, tenant_backlog_share=1.0)
+    p.note_tenant("quiet", 0.0, 100)
+    for _ in range(6):
+        q = req("flood")
+        p.note_tenant("flood", 0.01, q.prompt_tokens)
+        pins = p.choose(q, NORMAL, 0.01)
+        assert pins is not None
+        p.commit(pins[0], q, NORMAL, 0.01)

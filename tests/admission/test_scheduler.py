@@ -1,6 +1,7 @@
 """Scheduler + placer: token-metered dispatch, lanes, deadlines, shedding, release."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -35,17 +36,20 @@ async def test_dispatches_immediately_when_a_replica_fits():
 
 
 async def test_kv_headroom_meters_tokens_not_requests():
-    s = make(n_replicas=1, prefill_tokens_per_s=1e9)
-    big = s.submit(req(prompt=4000, out=4000), 0.0)
+    # 5,000 prompt tokens/s: lanes short <= 0.2 s (1,000 tokens) < normal <= 1 s < long of the 2 s target
+    s = make(n_replicas=1, prefill_tokens_per_s=5000)
+    t0 = time.monotonic()  # release() reads the clock
+    big = s.submit(req(prompt=4000, out=4000), t0)
     assert isinstance(big, Placement)
-    # 8,000 of 10,000 reserved: a 3,000-token request waits although only one request runs
-    queued = s.submit(req(prompt=1500, out=1500), 0.0)
+    # never scraped, so its footprint counts in full: 8,000 of 10,000 held, a 3,000-token request waits although
+    # only one request runs
+    queued = s.submit(req(prompt=1500, out=1500), t0)
     assert isinstance(queued, Waiter)
     # a smaller one of the same lane would fit, but waits behind the queued one (no queue jumping) ...
-    same_lane = s.submit(req(prompt=1100, out=10), 0.0)
+    same_lane = s.submit(req(prompt=1100, out=10), t0)
     assert isinstance(same_lane, Waiter)
     # ... while a short prompt has its own lane and goes now
-    assert isinstance(s.submit(req(prompt=10, out=10), 0.0), Placement)
+    assert isinstance(s.submit(req(prompt=10, out=10), t0), Placement)
     s.release(big, req(prompt=4000, out=4000))
     assert queued.future.done() and same_lane.future.done()
     assert isinstance(queued.future.result(), Placement)
@@ -61,7 +65,7 @@ async def test_never_fits_is_rejected_at_once():
 
 async def test_queue_full_sheds_with_retry_after():
     s = make(n_replicas=1, max_concurrency_per_replica=1,
-             lanes=[{"name": "all", "max_prompt_tokens": 1 << 30, "max_queue": 2}])
+             lanes=[{"name": "all", "max_prefill_of_target": 1e6, "max_queue": 2}])
     assert isinstance(s.submit(req(), 0.0), Placement)
     s.submit(req(), 0.0)
     s.submit(req(), 0.0)
@@ -74,7 +78,7 @@ async def test_queue_full_sheds_with_retry_after():
 
 async def test_higher_priority_evicts_sheddable_when_full():
     s = make(n_replicas=1, max_concurrency_per_replica=1,
-             lanes=[{"name": "all", "max_prompt_tokens": 1 << 30, "max_queue": 1}])
+             lanes=[{"name": "all", "max_prefill_of_target": 1e6, "max_queue": 1}])
     s.submit(req(), 0.0)
     low = s.submit(req(priority="sheddable"), 0.0)
     high = s.submit(req(priority="interactive"), 0.0)
@@ -127,8 +131,8 @@ async def test_long_lane_confined_to_a_share_of_replicas():
     """P3: long prompts prefill on at most half of the replicas at once; short ones always find one free of a long
     prefill. P7: a second long prompt waits for that prefill to end instead of stacking behind it."""
     s = make(n_replicas=2, prefill_tokens_per_s=20_000.0, kv_capacity_tokens=1_000_000,
-             lanes=[{"name": "short", "max_prompt_tokens": 1000},
-                    {"name": "long", "max_prompt_tokens": 1 << 30, "max_replica_share": 0.5}])
+             lanes=[{"name": "short", "max_prefill_of_target": 0.5},  # up to 1 s of the 2 s target: 20,000 tokens
+                    {"name": "long", "max_prefill_of_target": 1e6, "max_replica_share": 0.5}])
     first = s.submit(req(prompt=50_000, out=10), 0.0)  # 2.5 s of prefill
     second = s.submit(req(prompt=50_000, out=10), 0.0)
     assert isinstance(first, Placement)
@@ -140,15 +144,18 @@ async def test_long_lane_confined_to_a_share_of_replicas():
 
 
 async def test_prefill_backlog_spreads_and_predicts_ttft():
-    s = make(n_replicas=2, prefill_tokens_per_s=1000.0, ttft_target_s=2.0, kv_capacity_tokens=1_000_000)
+    s = make(n_replicas=2, prefill_tokens_per_s=1000.0, ttft_target_s=2.0, kv_capacity_tokens=1_000_000,
+             lanes=[{"name": "all", "max_prefill_of_target": 1e6}])
     a = s.submit(req(prompt=1500, out=1), 0.0)
     b = s.submit(req(prompt=1500, out=1), 0.0)
     assert a.replica is not b.replica
     # both replicas have 1.5 s of prefill queued: a third 1,500-token prompt would exceed the 2 s target
     c = s.submit(req(prompt=1500, out=1), 0.0)
     assert isinstance(c, Waiter)
-    # 1 s later the backlog has drained to 0.5 s: it fits
-    assert s.kick(now=1.0) == 1 and c.future.done()
+    # 1 s later the backlog has drained to 0.5 s, but 1 s waited + 0.5 + 1.5 s of prefill is past the 2 s target:
+    # it waits on, and goes once at most REFILL_S (0.1 s) of backlog is ahead of its own prefill
+    assert s.kick(now=1.0) == 0 and not c.future.done()
+    assert s.kick(now=1.41) == 1 and c.future.done()
 
 
 async def test_release_restores_every_counter():
@@ -180,14 +187,17 @@ def test_policy_validation_names_fields():
     with pytest.raises(ValueError, match="admission.kv_margin"):
         parse_section("admission", {"kv_margin": 1.5})
     with pytest.raises(ValueError, match="lanes must be ordered"):
-        parse_section("admission", {"lanes": [{"name": "a", "max_prompt_tokens": 10},
-                                               {"name": "b", "max_prompt_tokens": 5}]})
+        parse_section("admission", {"lanes": [{"name": "a", "max_prefill_of_target": 0.5},
+                                               {"name": "b", "max_prefill_of_target": 0.1}]})
     with pytest.raises(ValueError, match="unknown field"):
         parse_section("admission", {"bogus": 1})
     assert isinstance(parse_section("admission", {}).lanes[0], LanePolicy)
-    derived = policy_from_dict({"pools": [{"model": "m", "replicas": ["10.0.0.1:8000"]}],
-                                "sidecar": {"max_queue_wait_ms": 3000}})
-    assert derived.admission.max_wait_s == 3.0  # 0 = sidecar.max_queue_wait_ms
+    pools = [{"model": "m", "replicas": ["10.0.0.1:8000"]}]
+    derived = policy_from_dict({"pools": pools, "sidecar": {"max_queue_wait_ms": 3000}})
+    assert derived.admission.max_wait_s == 0.0  # 0 = from the SLO (the scheduler), within the queue wait ...
+    capped = policy_from_dict({"pools": pools, "sidecar": {"max_queue_wait_ms": 3000},
+                               "admission": {"ttft_target_s": 5.0}})
+    assert capped.admission.max_wait_s == 3.0  # ... which Envoy holds a request for at most
 
 
 async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
@@ -213,7 +223,8 @@ async def test_a_flood_held_at_its_prefill_share_stays_queued_and_a_quiet_tenant
     """P1f: the dominant tenant waits in the fair queue (not shed) while it prefills on its share of the
     replicas; a quiet tenant's request arriving behind that backlog is dispatched at once, on a free replica."""
     s = make(n_replicas=2, prefill_tokens_per_s=10_000.0, kv_capacity_tokens=1_000_000, ttft_target_s=0.3,
-             tenant_prefill_share=0.5)
+             tenant_prefill_share=0.5, tenant_backlog_share=1.0,
+             lanes=[{"name": "all", "max_prefill_of_target": 1e6}])
     s.submit(req(tenant="quiet"), 0.0)  # the quiet tenant is active (its 100-token prefill ends at 0.01 s)
     first = s.submit(req(prompt=2000, tenant="flood"), 0.1)
     assert isinstance(first, Placement)

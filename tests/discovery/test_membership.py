@@ -139,8 +139,8 @@ def test_a_first_report_after_a_reload_retires_what_it_does_not_list():
 
 
 def test_a_confined_lane_follows_the_pool_size():
-    lanes = [{"name": "short", "max_prompt_tokens": 1000},
-             {"name": "long", "max_prompt_tokens": 100000, "max_replica_share": 0.5}]
+    lanes = [{"name": "short", "max_prefill_of_target": 0.25},
+             {"name": "long", "max_prefill_of_target": 1e9, "max_replica_share": 0.5}]
     fleet = _fleet_with(A, B, admission={"kv_capacity_tokens": 60000, "lanes": lanes})
     placer = fleet.placers[POOL]
     assert placer._lane_caps == [0, 1]

@@ -43,8 +43,9 @@ VARIANTS = [
     {**BASE, "pools": [{"model": POOL, "replicas": ["10.9.0.1:8000", "10.9.0.4:8000"]}]},
     # tighter admission: fewer slots, different lane queue sizes (same number of lanes)
     {**BASE, "admission": {"kv_capacity_tokens": 20000, "max_concurrency_per_replica": 1, "lanes": [
-        {"name": "short", "max_prompt_tokens": 1024, "max_queue": 5}, {"name": "normal", "max_prompt_tokens": 8192},
-        {"name": "long", "max_prompt_tokens": 1 << 30, "max_queue": 10}]}},
+        {"name": "short", "max_prefill_of_target": 0.1, "max_queue": 5},
+        {"name": "normal", "max_prefill_of_target": 0.5},
+        {"name": "long", "max_prefill_of_target": 1e6, "max_queue": 10}]}},
     # budgets and tenant limits replaced mid-flight
     {**BASE, "budgets": {"tasks": {"max_calls": 2}}, "tenants": {"max_streams_per_tenant": 2}},
     # a second pool appears, then (next variant) disappears again

@@ -12,7 +12,9 @@ def cumulative(observations: list[float], bounds: tuple[float, ...] = BOUNDS) ->
 
 def vllm_page(running: float = 0, waiting: float = 0, kv: float = 0.0, gen: float = 0, prompt: float = 0,
               ttft: list[float] | None = None, preemptions: float = 0, bounds: tuple[float, ...] = BOUNDS,
-              blocks: int | None = None, errors: float = 0) -> bytes:
+              blocks: int | None = None, errors: float = 0, itl: tuple[float, float] | None = None,
+              prefix: tuple[float, float] | None = None) -> bytes:
+    """`itl`: the inter-token latency histogram's (sum, count); `prefix`: the prefix-cache (queries, hits)."""
     lab = 'engine="0",model_name="m"'
     out = [
         "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -41,6 +43,16 @@ def vllm_page(running: float = 0, waiting: float = 0, kv: float = 0.0, gen: floa
     if blocks is not None:
         out.append("# TYPE vllm:cache_config_info gauge")
         out.append(f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{blocks}"}} 1.0')
+    if itl is not None:
+        out.append("# TYPE vllm:inter_token_latency_seconds histogram")
+        out.append(f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {itl[1]}')
+        out.append(f"vllm:inter_token_latency_seconds_count{{{lab}}} {float(itl[1])}")
+        out.append(f"vllm:inter_token_latency_seconds_sum{{{lab}}} {float(itl[0])}")
+    if prefix is not None:
+        out.append("# TYPE vllm:prefix_cache_queries_total counter")
+        out.append(f"vllm:prefix_cache_queries_total{{{lab}}} {float(prefix[0])}")
+        out.append("# TYPE vllm:prefix_cache_hits_total counter")
+        out.append(f"vllm:prefix_cache_hits_total{{{lab}}} {float(prefix[1])}")
     return ("\n".join(out) + "\n").encode()
 
 

@@ -41,6 +41,8 @@ def test_vllm_page_exact_values():
     assert p.ttft_cum == (0, 0, 0, 0, 50, 50, 90, 90, 90, 99, 99, 99, 99, 99, 99, 99, 100, 100, 100, 100, 100, 100, 100)
     assert p.ttft_count == 100.0
     assert p.cache_hit_rate is None and p.generation_tps_gauge is None
+    # the inter-token latency histogram is read for its mean only (decode time per token, admission)
+    assert (p.itl_sum, p.itl_count) == (19.47, 60.0)
 
 
 def test_sglang_page_exact_values():
@@ -57,6 +59,7 @@ def test_sglang_page_exact_values():
                              200.0, 400.0, math.inf)
     assert p.ttft_cum[:8] == (0, 20, 20, 38, 38, 38, 38, 40) and p.ttft_cum[-1] == 40
     assert p.preemptions is None and p.errors is None and p.cache_info_tokens is None
+    assert (p.itl_sum, p.itl_count) == (30.450000000000003, 30.0)
 
 
 def test_vllm_names_do_not_read_an_sglang_page():

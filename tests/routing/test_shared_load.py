@@ -77,20 +77,23 @@ async def test_a_silent_sidecar_drops_out_after_stale_after(redis_server, make):
 
 
 def test_the_others_load_counts_in_placement_and_their_growth_between_scrapes():
-    """What a replica adds of the other sidecars' load: their reservations as a floor, and their growth since this
-    sidecar's last scrape on top of the scraped usage (the scrape already shows what they had placed before)."""
+    """What a replica holds with other sidecars placing on it too: the engine's own numbers at the last scrape
+    (which include what everyone had placed before it), plus the other sidecars' growth since that scrape; before
+    any scrape, everyone's reservations."""
     r = Replica(address="r1", pool="m", kv_capacity_tokens=10_000)
+    pool = Pool(model="m", cluster="pool-m", replicas=[r])
+    placer = Placer(pool, parse_section("admission", {}))
     r.place(1000)
-    r.on_scrape(EngineState(scraped_at=1.0, kv_usage=0.1))  # 1,000 tokens in the engine, all of them this one's
-    assert r.kv_used_tokens() == 1000
-    r.note_shared(3000, 3)  # others' reservations: a floor of 1,000 + 3,000, and 3,000 unseen by the scrape
-    assert r.kv_used_tokens() == 1000 + 3000
-    r.on_scrape(EngineState(scraped_at=2.0, kv_usage=0.25))  # the engine now holds 2,500 tokens (both partly)
-    assert r.kv_used_tokens() == 4000  # the reservations still exceed what the scrape shows
-    r.note_shared(7000, 7)  # 4,000 more since that scrape
-    assert r.kv_used_tokens() == max(2500 + 4000, 1000 + 7000)
-    r.note_shared(0, 0)  # Redis lost: own placements and scrapes only, as a single sidecar
-    assert r.kv_used_tokens() == max(2500, 1000)
+    r.note_shared(500, 1)
+    assert placer.kv_held(r, 0.5) == 1000 + 500  # never scraped: the reservations in flight
+    r.on_scrape(EngineState(scraped_at=1.0, kv_usage=0.15))  # 1,500 tokens in the engine, both sidecars'
+    assert placer.kv_held(r, 1.0) == 1500
+    r.note_shared(3500, 3)  # the others placed 3,000 more since that scrape
+    assert placer.kv_held(r, 1.0) == 1500 + 3000
+    r.on_scrape(EngineState(scraped_at=2.0, kv_usage=0.45))  # the engine now shows them
+    assert placer.kv_held(r, 2.0) == 4500
+    r.note_shared(0, 0)  # Redis lost (or their requests ended): the engine's numbers only, as a single sidecar
+    assert placer.kv_held(r, 2.0) == 4500
 
 
 def test_the_others_requests_count_against_the_concurrency_limit():
@@ -189,7 +192,7 @@ async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_i
                 break
             await asyncio.sleep(0.02)
         assert (two_r1.shared_requests, two_r1.shared_tokens) == (3, 6000)
-        assert two_r1.kv_used_tokens() == 6000 and two_r2.kv_used_tokens() == 0
+        assert two.placers["m"].kv_held(two_r1, 0.0) == 6000 and two.placers["m"].kv_held(two_r2, 0.0) == 0
         assert two.placers["m"].choose(req, 0, 0.0)[0] is two_r2
         two_r2.note_shared(0, 0)
         # with a fourth request replica 1 would be over the KV limit for gateway two as well
@@ -202,7 +205,7 @@ async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_i
             if views[1].degraded:
                 break
             await asyncio.sleep(0.02)
-        assert views[1].degraded and two_r1.shared_requests == 0 and two_r1.kv_used_tokens() == 0
+        assert views[1].degraded and two_r1.shared_requests == 0 and two.placers["m"].kv_held(two_r1, 0.0) == 0
         assert two.placers["m"].why_not(two_r1, req, 0, 0.0, 10.0) is None  # alone, as a single sidecar places
 
         redis_proc.start()

@@ -197,3 +197,18 @@ def test_prompt_and_first_token_counters_reach_the_state():
     assert st.prompt_tokens_total == 12_000 and st.first_tokens_total == 6
     st = state_after([(1.0, sglang_page(ttft=[0.1] * 3))], parser=MetricsParser(SGLANG))
     assert st.first_tokens_total == 3
+
+
+def test_mean_inter_token_latency_over_the_window():
+    # 100 intervals of 20 ms by t=100, then 400 more of 10 ms by t=101: the window's mean is 10 ms
+    st = state_after([(100.0, vllm_page(itl=(2.0, 100))), (101.0, vllm_page(itl=(6.0, 500)))])
+    assert st.itl_s == pytest.approx(0.01) and st.itl_count_window == 400
+    # no token in the window: no mean (0), not a stale one
+    st = state_after([(100.0, vllm_page(itl=(2.0, 100))), (101.0, vllm_page(itl=(2.0, 100)))])
+    assert st.itl_s == 0.0
+
+
+def test_prefix_cache_counters_are_passed_as_read():
+    st = state_after([(100.0, vllm_page(prefix=(5000.0, 1280.0)))])
+    assert (st.prefix_queries_total, st.prefix_hits_total) == (5000.0, 1280.0)
+    assert state_after([(100.0, vllm_page())]).prefix_hits_total == -1.0

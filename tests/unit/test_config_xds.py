@@ -64,8 +64,9 @@ def test_sluice_check_names_an_unknown_field_in_every_section(section, tmp_path,
 
 
 @pytest.mark.parametrize("data, path", [
-    ({"admission": {"lanes": [{"name": "a", "max_prompt_tokens": 10},
-                              {"name": "b", "max_prompt_tokens": 20, "max_tokens2": 1}]}}, "admission.lanes[1].max_tokens2"),
+    ({"admission": {"lanes": [{"name": "a", "max_prefill_of_target": 0.1},
+                              {"name": "b", "max_prefill_of_target": 0.5, "max_tokens2": 1}]}},
+     "admission.lanes[1].max_tokens2"),
     ({"routing": {"health": {"min_sample": 1}}}, "routing.health.min_sample"),
     ({"budgets": {"store": {"redis": {"uri": "redis://x"}}}}, "budgets.store.redis.uri"),
     ({"streaming": {"slow_consumer": {"grace": 1}}}, "streaming.slow_consumer.grace"),

@@ -1,0 +1,160 @@
+"""Where a prompt's prefix is cached, as far as the engines' own counters confirm it (prefix-aware placement).
+
+Requests that share a prefix (an app's system prompt, a RAG template, the earlier turns of a chat, an agent's
+growing context) prefill only their uncached tail on a replica whose prefix cache holds the shared part: a
+4,000-token prompt with 3,968 tokens cached takes about 70 ms on the real CPU engine instead of 340 ms.
+
+Which prefix: `LLMRequest.prefix_chain`, chained hashes of the prompt text's first `PREFIX_LADDER` characters
+(512, 558, 608, ...: each level about 9 % longer), computed once when the body is parsed. Two prompts that
+share their first L characters share every level up to L.
+
+Where it may be cached: `PrefixAffinity` remembers, per level hash, the replicas this sidecar placed it on (the
+KEEP most recent) in LRU order, at most MAX_ENTRIES hashes. The longest level a replica holds predicts the
+prompt tokens its engine will find cached:
+
+    cached(r) = characters of that level x prompt tokens / prompt characters  (x OLDER_HOLDER, below)
+
+Whether it is cached (confirmed, never assumed from the hash): each placement adds its predicted cached tokens to
+the replica's tally, and each scrape adds the engine's own prefix-cache hits (the delta of
+`vllm:prefix_cache_hits_total`, in tokens). Once predictions worth MIN_EVIDENCE tokens have accumulated, the
+replica's confidence moves by ALPHA toward
+
+    confidence(r) <- confidence(r) + ALPHA x (min(1, hits / predicted) - confidence(r))
+
+It starts at 0, so nothing is assumed before the counters agree: requests placed by load alone land on a
+replica that already served their prefix often enough for the counters to show it. An engine with prefix
+caching off, or evicting its cache under KV pressure, shows fewer hits than predicted, and the term fades.
+
+A level placed on several replicas counts in full only on the one it was placed on last, and OLDER_HOLDER (0.5)
+x on the others: an engine's LRU cache evicts first what it has not been asked for since, and, more to the point,
+equal credit on two replicas lets load alone alternate an app's requests between them, so each caches every
+app's prefix and, with a working set larger than one replica's cache, evicts them from each other (PX, hit rate
+0.68 of the best achievable). With the credit on the latest holder, a prefix stays where it went last and moves
+whole when it spills over.
+
+The placement term (placement.py): a replica must compute `prompt - confidence(r) x cached(r)` tokens of the
+prompt, and that is what its predicted TTFT, its prefill gate and the prefill backlog charged on placing use.
+A hot prefix does not melt its replica: that replica's backlog, KV, engine queue and concurrency rise like any
+other's, and once its score passes another replica's the prefix spills there, which then caches it too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from extproc.request import PREFIX_LADDER, LLMRequest
+from extproc.routing.pool import Replica
+
+KEEP = 4               # replicas remembered per prefix level (most recent placements)
+MAX_ENTRIES = 65_536   # prefix level hashes remembered per pool (LRU)
+MIN_EVIDENCE = 2048.0  # predicted cached tokens needed before the counters are compared with them
+ALPHA = 0.5            # weight of one comparison in the confidence
+OLDER_HOLDER = 0.5     # a level's holders other than its most recent placement count this share of it cached
+
+
+@dataclass(slots=True)
+class _Tally:
+    """One replica: predicted and counted hits since the last comparison, and the confidence."""
+
+    predicted: float = 0.0
+    hits: float = 0.0
+    last_hits: float = -1.0   # the engine's hits counter at the last scrape taken (-1: none)
+    at: float = 0.0           # scraped_at of that scrape
+    confidence: float = 0.0
+
+
+class PrefixAffinity:
+    """Per pool: prefix level hashes -> replicas they were placed on, and each replica's confirmed hit share."""
+
+    def __init__(self) -> None:
+        self.where: OrderedDict[int, dict[Replica, float]] = OrderedDict()
+        self.tally: dict[str, _Tally] = {}
+
+    # ---- the hot path ------------------------------------------------------------------------------------
+    def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
+        """Per replica, the prompt tokens expected cached there: confidence x the longest level it holds."""
+        chain = req.prefix_chain
+        if not chain or not self.where or not req.prompt_chars:
+            return {}
+        per_char = req.prompt_tokens / req.prompt_chars
+        out: dict[Replica, float] = {}
+        where = self.where
+        for i in range(len(chain) - 1, -1, -1):
+            placed = where.get(chain[i])
+            if placed is None:
+                continue
+            latest = next(reversed(placed))
+            for r in placed:
+                if r not in out:
+                    t = self.tally.get(r.address)
+                    if t is not None and t.confidence > 0:
+                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char * (1.0 if r is latest else OLDER_HOLDER)
+        return out
+
+    def record(self, r: Replica, req: LLMRequest, predicted: float, now: float) -> None:
+        """`req` was placed on `r`, where `predicted` tokens of its prompt were expected cached (unweighted by
+        confidence): every level of its prefix is now there too."""
+        t = self.tally.get(r.address)
+        if t is None:
+            t = self.tally[r.address] = _Tally()
+        t.predicted += predicted
+        where = self.where
+        for h in req.prefix_chain:
+            placed = where.get(h)
+            if placed is None:
+                where[h] = {r: now}
+                continue
+            where.move_to_end(h)
+            placed.pop(r, None)
+            placed[r] = now
+            if len(placed) > KEEP:
+                del placed[next(iter(placed))]  # the least recent placement
+        while len(where) > MAX_ENTRIES:
+            where.popitem(last=False)
+
+    def predicted_tokens(self, r: Replica, req: LLMRequest) -> float:
+        """Unweighted: the longest level of `req`'s prefix placed on `r` before, in tokens (0: none)."""
+        chain = req.prefix_chain
+        if not chain or not req.prompt_chars:
+            return 0.0
+        for i in range(len(chain) - 1, -1, -1):
+            placed = self.where.get(chain[i])
+            if placed is not None and r in placed:
+                return PREFIX_LADDER[i] * req.prompt_tokens / req.prompt_chars
+        return 0.0
+
+    # ---- the engines' counters ---------------------------------------------------------------------------
+    def on_scrape(self, replicas: list[Replica]) -> None:
+        """Add each engine's new prefix-cache hits; compare with the predictions once there are enough. Hits
+        while nothing is predicted belong to prefixes this sidecar does not follow and are not counted."""
+        for r in replicas:
+            e = r.engine
+            t = self.tally.get(r.address)
+            if t is None:
+                t = self.tally[r.address] = _Tally()
+            if e.scraped_at <= t.at:
+                continue
+            t.at = e.scraped_at
+            total = getattr(e, "prefix_hits_total", -1.0)
+            if total < 0:
+                t.last_hits = -1.0  # not exported
+                continue
+            if t.last_hits < 0 or total < t.last_hits or getattr(e, "restarted", False):
+                if t.last_hits >= 0:
+                    t.confidence = 0.0  # the engine restarted: its cache is empty
+                t.last_hits, t.predicted, t.hits = total, 0.0, 0.0
+                continue
+            delta, t.last_hits = total - t.last_hits, total
+            if t.predicted <= 0:
+                t.hits = 0.0
+                continue
+            t.hits += delta
+            if t.predicted >= MIN_EVIDENCE:
+                seen = min(1.0, t.hits / t.predicted)
+                t.confidence += ALPHA * (seen - t.confidence)
+                t.predicted = t.hits = 0.0
+
+    def confidence(self, r: Replica) -> float:
+        t = self.tally.get(r.address)
+        return t.confidence if t is not None else 0.0

@@ -1,0 +1,219 @@
+"""What the placer learns from the engines' own numbers: the KV they hold (P13), how many requests they run (P12),
+their decode time per token (P5), and lanes by predicted prefill seconds (P3)."""
+
+import pytest
+
+from extproc.admission.decode_time import DecodeTime
+from extproc.admission.placement import CONCURRENCY, KV_FULL, PROBE_BASE, UNSCRAPED_CONCURRENCY
+from extproc.admission.queue import Waiter
+from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.admission.seq_cap import CONFIRM, SeqCap
+from extproc.config import PoolConfig, parse_section
+from extproc.admission.placement import Placer
+from extproc.request import LLMRequest
+from extproc.routing.pool import DEGRADED, Pool, Replica
+from extproc.routing.scrape import ScrapedState
+
+from .placing import placer
+
+
+def req(prompt: int = 200, out: int = 1500, stream: bool = True, timeout: float | None = None) -> LLMRequest:
+    return LLMRequest(request_id="", endpoint="chat", model="m", stream=stream, prompt_tokens=prompt,
+                      max_output_tokens=out, client_timeout_s=timeout)
+
+
+def scrape(r: Replica, at: float, **engine: float) -> None:
+    r.on_scrape(ScrapedState(scraped_at=at, **engine))
+
+
+# ---- KV: what the engine holds, not a lifetime reservation (P13) --------------------------------------------
+
+def test_a_footprint_counts_in_full_only_until_the_engine_reports_what_it_holds():
+    p = placer(n=1, kv_capacity_tokens=20_000, kv_margin=0.1)  # 18,000 usable
+    r = p.pool.replicas[0]
+    r.max_num_seqs = 256
+    scrape(r, 0.5)
+    for i in range(10):  # 10 streams of 200 + 1,500: 17,000 tokens if each held its whole footprint
+        p.commit(r, req(), 0, 0.0)
+    assert p.kv_held(r, 0.0) == 17_000
+    assert p.why_not(r, req(), 0, 0.0, 2.0) == KV_FULL  # an 11th footprint does not fit before the engine says
+    # the engine reports what it holds: the prompts and the tokens decoded so far, 10 x 300
+    scrape(r, 1.0, kv_usage=3_000 / 20_000, running=10)
+    assert p.kv_held(r, 1.0) == pytest.approx(3_000)
+    assert p.why_not(r, req(), 0, 1.0, 2.0) is None
+    # between scrapes, what the running requests decode is counted too (10 streams x 0.2 s / 0.02 s per token)
+    assert p.kv_held(r, 1.2) == pytest.approx(3_000 + 10 * 0.2 / p.decode_s)
+
+
+def test_requests_waiting_in_the_engine_count_though_not_in_its_kv_yet():
+    p = placer(n=1, kv_capacity_tokens=20_000)
+    r = p.pool.replicas[0]
+    scrape(r, 0.1)
+    for _ in range(4):
+        p.commit(r, req(prompt=1000, out=1000), 0, 0.0)
+    scrape(r, 0.5, kv_usage=0.1, running=2, waiting=2)
+    assert p.kv_held(r, 0.5) == pytest.approx(2_000 + 2 * 2_000)
+
+
+def test_without_engine_numbers_the_reservations_stand():
+    p = placer(n=1, kv_capacity_tokens=20_000)
+    r = p.pool.replicas[0]
+    p.commit(r, req(), 0, 0.0)
+    assert p.kv_held(r, 5.0) == 1_700
+
+
+def test_slow_streams_no_longer_hold_the_pool_full():
+    """P13: 100 slow streams of 200 + 1,500 tokens on two replicas of 65,536: by their footprints 170,000 tokens,
+    more than the pool's 118,000 usable; by the engines, the prompts and what was decoded so far. Every stream is
+    placed, and so is a normal request after them."""
+    s = scheduler(n=2, kv_capacity_tokens=65_536)
+    for r in s.pool.replicas:
+        r.max_num_seqs = 256
+    placed = []
+    for i in range(100):
+        now = 1.0 + 0.02 * i
+        if i % 10 == 0:  # a scrape every 0.2 s: each stream holds its prompt and 100 decoded tokens so far
+            for r in s.pool.replicas:
+                scrape(r, now, kv_usage=r.inflight_requests * 300 / 65_536, running=r.inflight_requests)
+        placed.append(s.submit(req(), now))
+    assert all(isinstance(x, Placement) for x in placed)
+    assert isinstance(s.submit(req(prompt=300, out=200), 3.0), Placement)
+
+
+# ---- how many requests an engine runs (P12) ------------------------------------------------------------------
+
+def test_the_sequence_cap_is_learned_when_requests_wait_at_a_steady_running_count():
+    r, cap = Replica(address="a:1", pool="m"), SeqCap()
+    for i in range(CONFIRM - 1):
+        scrape(r, 1.0 + i, running=64, waiting=5, kv_usage=0.3)
+        cap.update([r])
+    assert r.max_num_seqs == 0  # not yet confirmed
+    scrape(r, 1.0 + CONFIRM, running=64, waiting=3, kv_usage=0.3)
+    cap.update([r])
+    assert r.max_num_seqs == 64
+    scrape(r, 10.0, running=80, waiting=0, kv_usage=0.3)  # ran more: 64 was not the cap
+    cap.update([r])
+    assert r.max_num_seqs == 0
+
+
+def test_waits_for_kv_or_at_varying_counts_do_not_teach_a_cap():
+    r, cap = Replica(address="a:1", pool="m"), SeqCap()
+    for i, running in enumerate((10, 12, 11, 14, 13)):  # a step's token budget, not a cap
+        scrape(r, 1.0 + i, running=running, waiting=2, kv_usage=0.3)
+        cap.update([r])
+    for i in range(5):  # waiting for KV blocks at a steady count
+        scrape(r, 10.0 + i, running=20, waiting=4, kv_usage=0.97)
+        cap.update([r])
+    assert r.max_num_seqs == 0
+
+
+def test_concurrency_follows_the_engine_cap_not_a_fixed_number():
+    p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
+    r = p.pool.replicas[0]
+    r.max_num_seqs = 4096
+    scrape(r, 1.0, running=500, waiting=0)
+    for _ in range(200):  # 700 requests at once: far past the old fixed 64, well within the engine
+        assert p.why_not(r, req(prompt=20, out=400), 0, 1.0, 2.0) is None
+        p.commit(r, req(prompt=20, out=400), 0, 1.0)
+    scrape(r, 1.2, running=4096, waiting=2)
+    assert p.why_not(r, req(prompt=20, out=400), 0, 1.2, 2.0) == CONCURRENCY
+
+
+def test_an_unknown_cap_grows_by_doubling_per_scrape():
+    p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
+    r = p.pool.replicas[0]
+    scrape(r, 1.0, running=0)
+    n = 0
+    while p.why_not(r, req(prompt=20, out=400), 0, 1.0, 2.0) is None:
+        p.commit(r, req(prompt=20, out=400), 0, 1.0)
+        n += 1
+    assert n == PROBE_BASE
+    scrape(r, 1.2, running=30, waiting=0)
+    n = 0
+    while p.why_not(r, req(prompt=20, out=400), 0, 1.2, 2.0) is None:
+        p.commit(r, req(prompt=20, out=400), 0, 1.2)
+        n += 1
+    assert n == 30
+
+
+def test_a_replica_without_metrics_and_an_explicit_limit_count_own_requests():
+    p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
+    r = p.pool.replicas[0]
+    for _ in range(UNSCRAPED_CONCURRENCY):
+        p.commit(r, req(prompt=20, out=20), 0, 0.0)
+    assert p.why_not(r, req(prompt=20, out=20), 0, 0.0, 2.0) == CONCURRENCY
+    q = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9, max_concurrency_per_replica=2)
+    r = q.pool.replicas[0]
+    scrape(r, 1.0)
+    q.commit(r, req(prompt=20, out=20), 0, 0.0)
+    q.commit(r, req(prompt=20, out=20), 0, 0.0)
+    assert q.why_not(r, req(prompt=20, out=20), 0, 0.0, 2.0) == CONCURRENCY
+
+
+# ---- decode time per token (P5) ------------------------------------------------------------------------------
+
+def test_decode_time_is_the_pools_token_weighted_inter_token_latency():
+    rs = [Replica(address=f"a:{i}", pool="m") for i in range(3)]
+    d = DecodeTime(0.02)
+    assert d.update(rs) == 0.02  # nothing measured: the configured start value
+    scrape(rs[0], 1.0, itl_s=0.005, itl_count_window=300)
+    scrape(rs[1], 1.0, itl_s=0.008, itl_count_window=100)
+    scrape(rs[2], 1.0, itl_s=0.5, itl_count_window=100)
+    rs[2].state = DEGRADED  # a sick replica's slowness is health's business
+    assert d.update(rs) == pytest.approx((0.005 * 300 + 0.008 * 100) / 400)
+    for r in rs:  # an idle window: the last measurement stands
+        scrape(r, 2.0, itl_s=0.0, itl_count_window=0)
+    assert d.update(rs) == pytest.approx(0.00575)
+    scrape(rs[0], 3.0, itl_s=1e-6, itl_count_window=1000)  # bounded to a factor 10 of the configured value
+    assert d.update(rs) == pytest.approx(0.002)
+
+
+def test_a_non_streaming_answer_is_planned_at_the_learned_decode_time():
+    p = placer(n=1)
+    p.decode_s = 0.006
+    assert p.answer_decode_s(req(out=48, stream=False)) == pytest.approx(0.288)
+    # a client giving up after 1.5 s: 75 % of it, less the answer's decode, is what its first token may take
+    assert p.ttft_limit_s(req(out=48, stream=False, timeout=1.5), 0.0) == pytest.approx(1.125 - 0.288)
+
+
+# ---- lanes in predicted prefill seconds (P3, issue 16) ---------------------------------------------------------
+
+def test_lanes_follow_predicted_prefill_seconds_relative_to_the_target():
+    pol = parse_section("admission", {"ttft_target_s": 1.0})
+    assert [pol.lane_for(t) for t in (0.05, 0.1, 0.3, 0.5, 0.6, 5.0)] == [0, 0, 1, 1, 2, 2]
+    # the same 7,000-token prompt is long on a slow engine and normal on a fast one
+    slow = placer(n=2, prefill_tokens_per_s=8_000, ttft_target_s=1.0)
+    fast = placer(n=2, prefill_tokens_per_s=40_000, ttft_target_s=1.0)
+    assert slow.policy.lane_for(slow.prefill_s(7_000)) == 2  # 0.875 s: more than half the target
+    assert fast.policy.lane_for(fast.prefill_s(7_000)) == 1  # 0.175 s
+
+
+# ---- the queue wait follows the SLO (P1f) ----------------------------------------------------------------------
+
+def scheduler(n: int = 1, **admission: object) -> Scheduler:
+    pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
+    policy = parse_section("admission", {"kv_capacity_tokens": 100_000, **admission})
+    return Scheduler(pool, policy, Placer(pool, policy))
+
+
+async def test_the_default_wait_is_the_slo_less_the_requests_own_prefill():
+    s = scheduler(ttft_target_s=1.0, prefill_tokens_per_s=10_000)
+    # 1 s - 0.2 s of its own prefill - REFILL_S (0.1 s) of another's it may land behind
+    assert s._wait_budget(req(prompt=2_000), 0.0) == pytest.approx(0.7)
+    # a prompt whose prefill takes most of the SLO may still wait about half of it (it is served, not refused)
+    assert s._wait_budget(req(prompt=20_000), 0.0) == pytest.approx(0.4)
+    assert scheduler(max_wait_s=7.0)._wait_budget(req(), 0.0) == 7.0  # an explicit wait stands
+
+
+async def test_a_request_that_cannot_start_within_the_slo_is_shed_at_once_with_retry_after():
+    s = scheduler(ttft_target_s=1.0, prefill_tokens_per_s=10_000, max_concurrency_per_replica=1)
+    first = s.submit(req(prompt=100, out=10), 0.0)
+    assert isinstance(first, Placement)
+    for t in (0.1, 0.2, 0.3, 0.4):  # one release every 0.1 s... then one request in flight takes 1 s
+        s.drain[0].tick(t)
+    waiting = [s.submit(req(prompt=100, out=10), 0.4) for _ in range(3)]
+    assert all(isinstance(w, Waiter) for w in waiting)
+    with pytest.raises(Shed) as exc:
+        for _ in range(20):
+            s.submit(req(prompt=100, out=10), 0.4)
+    assert exc.value.status == 429 and exc.value.should_retry and exc.value.retry_after_s > 0

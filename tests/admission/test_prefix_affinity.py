@@ -1,0 +1,152 @@
+"""Prefix-aware placement: requests sharing a prefix go where the engines' own hit counters confirm it cached,
+while that replica has headroom, and spill over when it does not."""
+
+import random
+
+import pytest
+
+from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity
+from extproc.request import PREFIX_LADDER, LLMRequest, prefix_chain
+from extproc.routing.pool import Replica
+from extproc.routing.scrape import ScrapedState
+
+from .placing import placer
+
+SYSTEM = "".join(random.Random(7).choice("abcdefgh ") for _ in range(16_000))  # about 4,000 tokens
+LEVEL = max(level for level in PREFIX_LADDER if level <= len(SYSTEM))  # the longest level SYSTEM covers
+
+
+def req(system: str = SYSTEM, user: str = "hello", out: int = 16) -> LLMRequest:
+    text = system + "\n" + user
+    return LLMRequest(request_id="", endpoint="chat", model="m", stream=True, prompt_tokens=len(text) // 4,
+                      max_output_tokens=out, prefix_chain=prefix_chain(text), prompt_chars=len(text))
+
+
+def scrape(r: Replica, at: float, hits: float, **engine: float) -> None:
+    r.on_scrape(ScrapedState(scraped_at=at, prefix_hits_total=hits, prefix_queries_total=hits, **engine))
+
+
+def test_prompts_sharing_their_start_share_the_levels_up_to_it():
+    a, b = prefix_chain(SYSTEM + "one"), prefix_chain(SYSTEM + "two")
+    shared = sum(1 for level in PREFIX_LADDER if level <= len(SYSTEM))
+    assert a[:shared] == b[:shared] and len(a) == len(b) == shared + (PREFIX_LADDER[shared] <= len(SYSTEM) + 4)
+    assert prefix_chain("x" + SYSTEM)[0] != a[0]
+    assert prefix_chain("short prompt") == ()
+
+
+def test_nothing_is_assumed_before_the_counters_confirm():
+    aff = PrefixAffinity()
+    r = Replica(address="a:1", pool="m")
+    aff.record(r, req(), 0.0, 0.0)
+    assert aff.cached_tokens(req(user="again")) == {}  # placed there, but no engine said it hits
+    again = req(user="again")
+    assert aff.predicted_tokens(r, again) == pytest.approx(LEVEL * again.prompt_tokens / again.prompt_chars)
+
+
+def confirmed(aff: PrefixAffinity, r: Replica, rounds: int = 3, share: float = 1.0) -> None:
+    """Place enough prefix-sharing requests on `r`, its engine hitting `share` of what was predicted."""
+    hits = 0.0
+    for k in range(rounds):
+        predicted = 0.0
+        while predicted < MIN_EVIDENCE:
+            q = req(user=f"u{k}-{predicted}")
+            p = aff.predicted_tokens(r, q)
+            aff.record(r, q, p, 0.0)
+            predicted += max(p, 100.0)
+        hits += share * predicted
+        scrape(r, 1.0 + k, hits)
+        aff.on_scrape([r])
+
+
+def test_confidence_follows_the_engines_hits():
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    confirmed(aff, r)
+    assert aff.confidence(r) > 0.8
+    q = req(user="new question")
+    assert aff.cached_tokens(q)[r] == pytest.approx(aff.confidence(r) * LEVEL * q.prompt_tokens / q.prompt_chars)
+
+
+def test_an_engine_without_prefix_caching_never_gets_affinity():
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    confirmed(aff, r, share=0.0)
+    assert aff.confidence(r) == 0.0 and aff.cached_tokens(req(user="x")) == {}
+
+
+def test_a_restarted_engine_has_an_empty_cache():
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    confirmed(aff, r)
+    scrape(r, 10.0, 0.0)  # the counter went down
+    aff.on_scrape([r])
+    assert aff.confidence(r) == 0.0
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached_and_spill_when_it_is_busy():
+    p = placer(n=3, prefill_tokens_per_s=10_000, ttft_target_s=1.0)  # a 4,000-token prompt prefills in 0.4 s
+    home = p.pool.replicas[1]
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, home)
+    for r in p.pool.replicas:
+        r.prefill_backlog = 0.0
+    # an idle pool: the replica holding the prefix computes only the new tail
+    q1 = req(user="q1")
+    first = p.choose(q1, 1, 10.0)
+    assert first[0] is home
+    p.commit(home, q1, 1, 10.0)
+    # only the uncached part was charged (the longest level it shares, LEVEL of its 16,006 characters)
+    assert home.prefill_backlog < 0.4 * q1.prompt_tokens
+    # a hot prefix: its replica's backlog grows with every request, and once its predicted TTFT passes what an
+    # uncached prefill elsewhere costs, the prefix spills to another replica, which then holds it too
+    homes = []
+    for i in range(6):
+        q = req(user=f"q{i + 2}")
+        pins = p.choose(q, 1, 10.0)
+        assert pins is not None
+        p.commit(pins[0], q, 1, 10.0)
+        homes.append(pins[0])
+    assert homes[0] is home and any(h is not home for h in homes)
+    spilled = next(h for h in homes if h is not home)
+    assert p.prefix.predicted_tokens(spilled, req(user="later")) > 0
+
+
+def test_placing_by_load_alone_lets_the_counters_find_the_prefix():
+    """Confidence 0 everywhere: the first placements go by load; the replicas they landed on remember the prefix,
+    and the hits their engines count make the prediction true."""
+    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    landed = []
+    for i in range(6):
+        q = req(user=f"q{i}")
+        pins = p.choose(q, 1, 1.0 + i)
+        p.commit(pins[0], q, 1, 1.0 + i)
+        landed.append(pins[0])
+    hits = {r: p.prefix.tally[r.address].predicted for r in p.pool.replicas}
+    for r in p.pool.replicas:
+        scrape(r, 8.0, hits[r])
+    p.prefix.on_scrape(p.pool.replicas)
+    assert any(p.prefix.confidence(r) > 0 for r in set(landed))
+
+
+def test_a_prefix_placed_on_two_replicas_counts_in_full_only_where_it_went_last():
+    """Equal credit on both would let load alone alternate the prefix's requests between them, each caching every
+    prefix and evicting the others'; the latest holder keeps it until it spills over."""
+    aff = PrefixAffinity()
+    a, b = Replica(address="a:1", pool="m"), Replica(address="b:1", pool="m")
+    for r in (a, b):
+        scrape(r, 0.5, 0.0)
+    aff.on_scrape([a, b])
+    confirmed(aff, a)
+    confirmed(aff, b)
+    aff.record(a, req(user="latest"), 0.0, 5.0)
+    cached = aff.cached_tokens(req(user="next"))
+    assert cached[a] == pytest.approx(cached[b] / OLDER_HOLDER * aff.confidence(a) / aff.confidence(b))
+    assert cached[a] > cached[b] > 0
