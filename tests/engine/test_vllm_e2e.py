@@ -131,12 +131,17 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
     size = int(info.split('block_size="')[1].split('"')[0])
     assert st["kv_capacity_tokens"] == blocks * size > 0
 
-    # Four long streams straight to the engine: two run, two wait in vLLM's own queue.
+    # Long streams straight to the engine, twice its sequence cap: half run, half wait in vLLM's own queue. Each
+    # could generate for minutes, so the engine stays full however fast it decodes; the clients leave once the
+    # sidecar has seen it full (vLLM aborts a request whose client disconnects).
+    leave = threading.Event()
+
     def stream() -> None:
-        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 1200, "ignore_eos": True, "stream": True}
+        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 6000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", e.url + "/v1/completions", json=body, timeout=120) as r:
             for _ in r.iter_lines():
-                pass
+                if leave.is_set():
+                    break
 
     threads = [threading.Thread(target=stream, daemon=True) for _ in range(2 * MAX_NUM_SEQS)]
     for t in threads:
@@ -150,10 +155,13 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
             peak[k] = max(peak[k], float(r[k]))
         return peak["running"] == MAX_NUM_SEQS and peak["waiting"] >= 1 and peak["kv_usage"] > 0
 
-    assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}"
-    assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MAX_NUM_SEQS
-    for t in threads:
-        t.join(120)
+    try:
+        assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}"
+        assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MAX_NUM_SEQS
+    finally:
+        leave.set()
+        for t in threads:
+            t.join(30)
 
     def ttft_seen() -> bool:  # keep first tokens coming, so every scrape window has TTFT observations
         body = {"model": SERVED_MODEL, "prompt": "y", "max_tokens": 1}
