@@ -317,7 +317,7 @@ class Placer:
         token still comes within the SLO: under a sustained overload the engines' queues stay short and the wait
         happens here, where it is fair and can be shed with retry-after (P1f). Less again when the client's own
         timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
-        P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
+        P5). The client's timeout covers the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
         if waited > 0:
             limit = max(limit - waited, req.prompt_tokens / self.rate + REFILL_S)
@@ -329,9 +329,12 @@ class Placer:
         return limit
 
     def answer_decode_s(self, req: LLMRequest) -> float:
-        """Decode time a non-streaming client waits for before its answer (a streaming one: 0), at the engines'
-        learned time per token (decode_time.py)."""
-        return 0.0 if req.stream else req.max_output_tokens * self.decode_s
+        """Decode time of the whole answer at the engines' learned time per token (decode_time.py): what a client
+        with a timeout waits for before it has its answer, streaming or not. A stream that cannot finish before
+        the client's timeout is cut there (the sidecar sets Envoy's upstream timeout to the time left) and its
+        tokens were decoded for nobody; on an engine that ignores the cut it decodes on as a ghost, slowing every
+        other request, until its end (P4n). Only requests with a client timeout are asked this."""
+        return req.max_output_tokens * self.decode_s
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:
