@@ -1,11 +1,13 @@
 """Which replica, if any, may take this request now: the saturation filter and the score (P3, P7, P9, P12, P13).
 
 A replica fits a request when, with the request added, it stays within every limit:
-  KV      held + footprint <= capacity x weight x (1 - margin), where held is what the engine holds now: its
-          scraped KV usage, plus the footprints placed since that scrape, plus the engine's waiting requests (not
-          in its KV yet), plus what its running requests decoded since the scrape (`kv_held`). A request's full
-          footprint (prompt + expected output) counts only until the engine's numbers include it, not for its
-          whole life: a stream whose client reads slowly holds nothing in an engine that finished it (P13)
+  KV      committed + footprint <= capacity x weight x (1 - margin), where committed is what the engine holds
+          now (its scraped KV usage, plus the prompts placed since that scrape, plus the engine's waiting requests,
+          not in its KV yet, plus what its running requests decoded since the scrape) plus the output its
+          requests in flight, this sidecar's and the others' sharing through Redis, are still expected to decode
+          while the new request would run (`kv_committed`, kv_growth.py: no preemption when gateways place long
+          generations, PG / P9). Not a lifetime reservation: a stream whose client reads slowly holds nothing in
+          an engine that finished it (P13)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
           the cap learned from the engine (seq_cap.py); unknown, at most double what the engine showed per
