@@ -181,17 +181,22 @@ class Placer:
           + the other sidecars' growth since the scrape   (shared through Redis: shared now - shared at scrape)
 
         Without engine numbers (never scraped, or metrics_style none), the reservations in flight (a full
-        footprint per request, this sidecar's and the others'). Growth beyond now is what kv_margin keeps free
-        for (P9)."""
-        e = r.engine
-        if not e.scraped_at:
+        footprint per request, this sidecar's and the others'). What is still to be decoded is `kv_committed`'s."""
+        if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        held = e.kv_usage * r.kv_capacity_tokens + r.placed_since_scrape_tokens
+        return self._since_scrape(r, now, r.placed_since_scrape_tokens, r.inflight_tokens)
+
+    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float) -> float:
+        """The engine's scraped KV usage plus, since that scrape: `placed` tokens this sidecar placed, the others'
+        footprints placed, its waiting requests at `inflight` / this sidecar's requests in flight each, and what
+        its running requests decoded."""
+        e = r.engine
+        held = e.kv_usage * r.kv_capacity_tokens + placed
         others_since = r.shared_tokens - r.shared_at_scrape
         if others_since > 0:
             held += others_since
         if e.waiting and r.inflight_requests:
-            held += e.waiting * r.inflight_tokens / r.inflight_requests
+            held += e.waiting * inflight / r.inflight_requests
         if e.running and now > e.scraped_at:
             held += e.running * (now - e.scraped_at) / self.decode_s
         return held
@@ -223,17 +228,9 @@ class Placer:
         generations, PG / P9), while a short request is not held back by the far future of long ones, and a
         request whose decode is predicted to have ended counts only what the scrape shows (a slow reader's
         finished stream holds nothing, P13). Without engine numbers: the reservations in flight, as `kv_held`."""
-        e = r.engine
-        if not e.scraped_at:
+        if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        held = e.kv_usage * r.kv_capacity_tokens + r.placed_since_scrape_prompt_tokens
-        others_since = r.shared_tokens - r.shared_at_scrape
-        if others_since > 0:
-            held += others_since
-        if e.waiting and r.inflight_requests:
-            held += e.waiting * r.inflight_prompt_tokens / r.inflight_requests
-        if e.running and now > e.scraped_at:
-            held += e.running * (now - e.scraped_at) / self.decode_s
+        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens)
         own = self.growth.get(r)
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
