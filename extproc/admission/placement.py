@@ -93,6 +93,7 @@ class Placer:
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
+        self.decode_learned = False  # decode_s measured from the engines, not the configured start value
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         self._lane_caps: list[int] = []
@@ -332,7 +333,12 @@ class Placer:
         with a timeout waits for before it has its answer, streaming or not. A stream that cannot finish before
         the client's timeout is cut there (the sidecar sets Envoy's upstream timeout to the time left) and its
         tokens were decoded for nobody; on an engine that ignores the cut it decodes on as a ghost, slowing every
-        other request, until its end (P4n). Only requests with a client timeout are asked this."""
+        other request, until its end (P4n). A stream is planned so only once the decode time is measured: the
+        configured start value may be several times too slow (0.02 s against 6 ms measured in P4), and refusing
+        every stream on it would leave nothing to measure (a stream's first tokens are of use to its client even
+        if the answer is cut). Only requests with a client timeout are asked this."""
+        if req.stream and not self.decode_learned:
+            return 0.0
         return req.max_output_tokens * self.decode_s
 
     def _lane_replica_cap(self, share: float) -> int:

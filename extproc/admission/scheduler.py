@@ -121,6 +121,7 @@ class Scheduler:
         self.placer.rate = rate
         self.m.prefill_rate(rate)
         self.placer.decode_s = self.decode.update(replicas)
+        self.placer.decode_learned = self.decode.learned
         self.seq_cap.update(replicas)
         if self.placer.prefix is not None:
             self.placer.prefix.on_scrape(replicas)
