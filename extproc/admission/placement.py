@@ -93,7 +93,6 @@ class Placer:
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
-        self.decode_learned = False  # decode_s measured from the engines, not the configured start value
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         self._lane_caps: list[int] = []
@@ -317,7 +316,7 @@ class Placer:
         token still comes within the SLO: under a sustained overload the engines' queues stay short and the wait
         happens here, where it is fair and can be shed with retry-after (P1f). Less again when the client's own
         timeout is nearer (a first token after the client gave up is ghost load, and its retry doubles it: P4,
-        P5). The client's timeout covers the whole answer, so its expected decode time comes off."""
+        P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
         if waited > 0:
             limit = max(limit - waited, req.prompt_tokens / self.rate + REFILL_S)
@@ -329,17 +328,9 @@ class Placer:
         return limit
 
     def answer_decode_s(self, req: LLMRequest) -> float:
-        """Decode time of the whole answer at the engines' learned time per token (decode_time.py): what a client
-        with a timeout waits for before it has its answer, streaming or not. A stream that cannot finish before
-        the client's timeout is cut there (the sidecar sets Envoy's upstream timeout to the time left) and its
-        tokens were decoded for nobody; on an engine that ignores the cut it decodes on as a ghost, slowing every
-        other request, until its end (P4n). A stream is planned so only once the decode time is measured: the
-        configured start value may be several times too slow (0.02 s against 6 ms measured in P4), and refusing
-        every stream on it would leave nothing to measure (a stream's first tokens are of use to its client even
-        if the answer is cut). Only requests with a client timeout are asked this."""
-        if req.stream and not self.decode_learned:
-            return 0.0
-        return req.max_output_tokens * self.decode_s
+        """Decode time a non-streaming client waits for before its answer (a streaming one: 0), at the engines'
+        learned time per token (decode_time.py)."""
+        return 0.0 if req.stream else req.max_output_tokens * self.decode_s
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:

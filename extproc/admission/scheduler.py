@@ -121,7 +121,6 @@ class Scheduler:
         self.placer.rate = rate
         self.m.prefill_rate(rate)
         self.placer.decode_s = self.decode.update(replicas)
-        self.placer.decode_learned = self.decode.learned
         self.seq_cap.update(replicas)
         if self.placer.prefix is not None:
             self.placer.prefix.on_scrape(replicas)
@@ -196,8 +195,8 @@ class Scheduler:
         """How long this request may wait here: the policy's max wait, by default the SLO (ttft_target_s) minus
         its own predicted prefill (at most half the SLO) and REFILL_S, so a request that could not get its first token within
         the SLO is told at once to retry later (P1f); and never so long that the client's own deadline passes
-        before it could get its whole answer (its expected output decoded: a stream the client's timeout cuts short
-        is work for nobody). Work dispatched just before the client gives up is ghost load (P4, P4n)."""
+        before it could get its first token (stream) or its whole answer (non-stream). Work dispatched just before
+        the client gives up is ghost load (P4)."""
         pol = self.policy
         prefill = req.prompt_tokens / self.placer.rate
         if pol.max_wait_s > 0:

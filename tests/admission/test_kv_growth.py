@@ -24,7 +24,8 @@ def test_remaining_output_falls_as_time_passes_and_ends_at_the_predicted_end():
     g = KvGrowth()
     a = g.add(first_token_at=1.0, output_tokens=100, decode_s=D)  # decodes 1.0 .. 2.0
     g.add(first_token_at=1.5, output_tokens=300, decode_s=D)      # decodes 1.5 .. 4.5
-    assert g.remaining(1.0) == pytest.approx(100 + 350)           # before its first token: (4.5 - 1) / D
+    assert g.remaining(1.0) == pytest.approx(100 + 300)           # before its first token: its whole output
+    assert g.remaining(1.5) == pytest.approx(50 + 300)
     assert g.remaining(2.0) == pytest.approx(250)
     assert g.remaining(4.5) == 0.0 and len(g) == 0                # both predicted ended: popped
     b = g.add(first_token_at=5.0, output_tokens=200, decode_s=D)
@@ -39,7 +40,10 @@ def test_within_a_horizon_only_what_is_decoded_before_it_counts():
     g.add(0.0, 1000, D)  # 10 s of decode
     g.add(0.0, 50, D)    # 0.5 s
     assert g.within(0.0, 1.0) == pytest.approx(100 + 50)
-    assert g.within(0.0, 100.0) == pytest.approx(g.remaining(0.0)) == pytest.approx(1050)
+    g.add(0.5, 200, D)   # starts in 0.5 s: 50 of its 200 tokens within the next second, all 200 within 3 s
+    assert g.within(0.0, 1.0) == pytest.approx(100 + 50 + 50)
+    assert g.within(0.0, 3.0) == pytest.approx(300 + 50 + 200)
+    assert g.within(0.0, 100.0) == pytest.approx(g.remaining(0.0)) == pytest.approx(1250)
 
 
 def test_removed_entries_do_not_pile_up():
