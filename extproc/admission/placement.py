@@ -216,8 +216,8 @@ class Placer:
           + the other sidecars' footprints placed since the scrape  (shared through Redis)
           + engine waiting x mean prompt here          queued in the engine, not yet in its KV
           + running x (now - scraped at) / decode s    what its running requests decoded since
-          + own growth within the horizon              sum over this sidecar's requests here of
-                                                       min(predicted decode end - now, horizon) / decode s
+          + own growth within the horizon              sum over this sidecar's requests here of the output they
+                                                       decode before now + horizon (kv_growth.py `within`)
           + the others' growth within the horizon      min(their published growth, their requests x horizon /
                                                        decode s)  (they publish a total, not its timing)
 
