@@ -10,8 +10,9 @@ A replica fits a request when, with the request added, it stays within every lim
           an engine that finished it (P13)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
-          the cap learned from the engine (seq_cap.py); unknown, at most double what the engine showed per
-          scrape (`_over_concurrency`, P12). An explicit max_concurrency_per_replica caps this sidecar's requests
+          the cap learned from the engine (seq_cap.py); unknown, at most double per scrape interval what the
+          engine showed or, while nothing waits there, what was placed in the interval before
+          (`_over_concurrency`, P12). An explicit max_concurrency_per_replica caps this sidecar's requests
           plus the other sidecars' when they share through Redis
   prefill predicted prefill backlog + uncached prompt <= prefill rate x TTFT limit x weight (an idle replica always
           takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
@@ -291,9 +292,15 @@ class Placer:
         this sidecar's requests on it. Otherwise the engine's own count decides: with its sequence cap learned
         (seq_cap.py), running + waiting + placed since the scrape must stay under cap x weight + max_waiting
         (beyond it a request waits in the engine, where it cannot move to another replica); with the cap
-        unknown, placements since the scrape may at most match what the engine showed (+ PROBE_BASE), so the
-        in-flight count at most doubles per scrape interval until the engine shows its cap. A replica without
-        metrics: UNSCRAPED_CONCURRENCY of this sidecar's requests."""
+        unknown, the placements of one scrape interval may at most double:
+
+            placed since the scrape < max(PROBE_BASE, seen x weight, 2 x placed in the interval before)
+
+        the last term only while the engine showed nothing waiting (it ran all it was sent). `seen` (running +
+        waiting) doubles what long requests hold; the previous interval's placements double what short ones
+        pass, which are over before any scrape sees them (without it, a fast engine's ~3 requests in sight held
+        it to PROBE_BASE per interval, ~40 requests/s). A replica without metrics: UNSCRAPED_CONCURRENCY of this
+        sidecar's requests."""
         fixed = self.policy.max_concurrency_per_replica
         if fixed:
             return r.inflight_requests + r.shared_requests >= max(1, int(fixed * w))
@@ -304,7 +311,10 @@ class Placer:
         if r.max_num_seqs:
             return seen + r.placed_since_scrape_requests >= max(1, int(r.max_num_seqs * w)) + \
                 self.policy.max_waiting_per_replica
-        return r.placed_since_scrape_requests >= max(PROBE_BASE, int(seen * w))
+        allowance = max(PROBE_BASE, int(seen * w))
+        if e.waiting == 0:
+            allowance = max(allowance, 2 * r.placed_last_epoch_requests)
+        return r.placed_since_scrape_requests >= allowance
 
     def _concurrency_bound(self, r: Replica) -> int:
         """Requests the replica may run: the explicit limit, else its engine's learned cap, else the default."""

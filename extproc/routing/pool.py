@@ -69,6 +69,8 @@ class Replica:
     placed_since_scrape_tokens: int = 0
     placed_since_scrape_prompt_tokens: int = 0
     placed_since_scrape_requests: int = 0
+    placed_in_epoch_requests: int = 0   # placements since the scrape, finished ones included ...
+    placed_last_epoch_requests: int = 0  # ... and in the interval before it (the unknown-cap probe, placement.py)
     scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
@@ -106,6 +108,7 @@ class Replica:
         self.placed_since_scrape_tokens += tokens
         self.placed_since_scrape_prompt_tokens += prompt_tokens
         self.placed_since_scrape_requests += 1
+        self.placed_in_epoch_requests += 1
 
     def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1) -> None:
         """`epoch` is the scrape epoch at placement: a request placed and finished between two scrapes was never
@@ -126,6 +129,8 @@ class Replica:
         self.placed_since_scrape_tokens = 0
         self.placed_since_scrape_prompt_tokens = 0
         self.placed_since_scrape_requests = 0
+        self.placed_last_epoch_requests = self.placed_in_epoch_requests
+        self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens
         if engine.kv_capacity_tokens:
             self.kv_capacity_tokens = engine.kv_capacity_tokens

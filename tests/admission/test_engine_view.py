@@ -142,6 +142,35 @@ def test_an_unknown_cap_grows_by_doubling_per_scrape():
     assert n == 30
 
 
+
+def _fill_interval(p, r, at: float, finish: bool) -> int:
+    """Place short requests until the unknown-cap probe says stop; `finish`: each ends before the next scrape."""
+    n = 0
+    while p.why_not(r, req(prompt=20, out=4), 0, at, 2.0) is None and n < 10_000:
+        growth = p.commit(r, req(prompt=20, out=4), 0, at)
+        if finish:
+            p.release(r, req(prompt=20, out=4), 0, r.scrape_epoch, growth)
+        n += 1
+    return n
+
+
+def test_an_unknown_cap_lets_short_requests_double_per_interval_while_nothing_waits():
+    """Short requests end before any scrape sees them (the engine shows ~2 running): the interval's placements,
+    finished ones included, double per scrape while the engine queues nothing, and stop doubling once it does."""
+    p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
+    r = p.pool.replicas[0]
+    scrape(r, 1.0, running=2, waiting=0)
+    # placements that are still in flight at the next scrape count against the interval's allowance
+    assert _fill_interval(p, r, 1.0, finish=False) == PROBE_BASE
+    allowed = []
+    for i in range(4):
+        scrape(r, 1.2 + 0.2 * i, running=2, waiting=0)
+        allowed.append(_fill_interval(p, r, 1.2 + 0.2 * i, finish=False))
+    assert allowed == [2 * PROBE_BASE, 4 * PROBE_BASE, 8 * PROBE_BASE, 16 * PROBE_BASE]
+    scrape(r, 2.2, running=2, waiting=1)  # the engine queues: back to what it shows (+ PROBE_BASE)
+    assert _fill_interval(p, r, 2.2, finish=False) == PROBE_BASE
+
+
 def test_a_replica_without_metrics_and_an_explicit_limit_count_own_requests():
     p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
     r = p.pool.replicas[0]
