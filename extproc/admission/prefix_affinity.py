@@ -21,6 +21,11 @@ replica's confidence moves by ALPHA toward
 
     confidence(r) <- confidence(r) + ALPHA x (min(1, hits / predicted) - confidence(r))
 
+Hits beyond the window's predictions (at most as many again) carry over to the next window: a request placed
+just before a scrape is predicted in that window but prefilled, and counted by the engine, in the next one.
+Dropping that surplus biased every window low (a window short of its late hits, the next one capped at 1), and
+with it the confidence, which kept cached prompts of several thousand tokens predicted as long prefills.
+
 It starts at 0, so nothing is assumed before the counters agree: requests placed by load alone land on a
 replica that already served their prefix often enough for the counters to show it. An engine with prefix
 caching off, or evicting its cache under KV pressure, shows fewer hits than predicted, and the term fades.
@@ -218,7 +223,8 @@ class PrefixAffinity:
             if t.predicted >= MIN_EVIDENCE:
                 seen = min(1.0, t.hits / t.predicted)
                 t.confidence += ALPHA * (seen - t.confidence)
-                t.predicted = t.hits = 0.0
+                t.hits = min(t.hits - t.predicted, t.predicted) if t.hits > t.predicted else 0.0
+                t.predicted = 0.0
 
     def confidence(self, r: Replica) -> float:
         t = self.tally.get(r.address)

@@ -197,3 +197,25 @@ def test_a_replica_near_its_kv_limit_takes_more_of_a_prefix_its_requests_hold():
     assert p.choose(req(system=OTHER), 1, 11.0) is None and p.last_reasons == {KV_FULL: 2}
     p.release(home, first, 1, epoch)  # it ended: its prefix is idle, counted free by the engine
     assert p.choose(q, 1, 11.0) is None
+
+
+def test_hits_counted_a_scrape_after_their_placement_still_confirm_the_prediction():
+    """Requests placed just before a scrape are predicted in that window and hit in the next: the surplus carries
+    over, so an engine hitting every prediction, half of them a window late, keeps full confidence however the
+    windows' sizes vary."""
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    hits, late = 0.0, 0.0
+    for k in range(12):
+        predicted = 0.0
+        for n in range(1 if k % 2 else 3):
+            q = req(user=f"u{k}-{n}")
+            aff.record(r, q, 3000.0, 0.0)
+            aff.release(r, q)
+            predicted += 3000.0
+        hits += late + predicted / 2  # the engine counts half of them now, the rest at the next scrape
+        late = predicted / 2
+        scrape(r, 1.0 + k, hits)
+        aff.on_scrape([r])
+    assert aff.confidence(r) > 0.95
