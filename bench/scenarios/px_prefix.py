@@ -17,10 +17,15 @@ The prefix working set (every distinct full block of the system prompts and the 
 when each app's prefixes live on one of them. So a gateway that sends every request of an app to one replica keeps that app's prefix warm; one
 that spreads them computes each prefix on both replicas and evicts them from each other.
 
-Load: the rate of single-turn requests is chosen so that the whole workload, with every prefix already cached
-(only the tokens after the cached blocks computed), runs the pool at 0.5 of its capacity
-(`capacity_rps(uncached tokens, 32)`, bench/capacity.py, uncached tokens at the best achievable hit rate below;
-sessions included). Without the cache the same traffic is several times what the pool can prefill.
+Load: the single-turn rate is chosen so that the whole workload (sessions included) offers `LOAD` = 0.6 of what
+the best router's pool completes (`best_router_rps`): each replica an engine at the scenario's KV, prefix cache
+on, kept saturated with the single-turn requests of its share of the apps (app a on replica a mod replicas),
+completions per second summed over the replicas. That is measured, not computed from the uncached tokens alone: a
+cached prompt's tail still attends to its whole prefix, and a replica still computes each prefix it evicted
+again, so a replica of `tiny-cpu` completes about 9 requests/s of three apps' traffic, not the 21 its uncached
+tail alone would allow. It follows the replica count of the run (`with_replicas`: two real engines are loaded like
+two simulators). A router that sends every app to every replica thrashes the cache (0.68 hit rate, about a third
+of the best router's capacity), so it is overloaded at the same rate.
 
 SLO: the first token within `slo_ttft_s(TTFT alone of the largest prompt with its prefix cached)` (5x, at least
 0.5 s, rounded up: 0.5 s at the calibrated preset): a user of an engine that caches prefixes by default expects
@@ -47,7 +52,7 @@ import functools
 import random
 from typing import Any
 
-from bench.capacity import EngineSpec, blocks_for_tokens, capacity_rps, drive, slo_ttft_s
+from bench.capacity import EngineSpec, blocks_for_tokens, drive, slo_ttft_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of
 from extproc.sim.engine import Request, block_hashes
@@ -60,6 +65,8 @@ SESSION_QUESTION = 100
 SESSIONS, TURNS, THINK_S = 6, 6, 1.0
 KV_SHARE = 0.75
 REPLICAS = 2
+LOAD = 0.6  # offered load / the best router's pool capacity (`best_router_rps`)
+SATURATED = 200  # single-turn requests queued at once on each replica to measure its capacity
 KV_LIMIT = 0.9  # sluice's admission limit at its defaults: 1 - admission.kv_margin (0.1)
 _BASE = EngineSpec.of("tiny-cpu")
 
@@ -131,16 +138,37 @@ def _session_starts(duration: float) -> list[float]:
     return [0.2 + (duration - 0.5 * TURNS * THINK_S) * i / SESSIONS for i in range(SESSIONS)]
 
 
+@functools.lru_cache(maxsize=16)
+def best_router_rps(replicas: int) -> float:
+    """Completions per second of `replicas` engines (the scenario's KV, prefix cache on), each saturated with
+    SATURATED single-turn requests of its share of the apps (app a on replica a mod replicas)."""
+    spec = EngineSpec.of(_BASE.preset, ["--num-gpu-blocks", str(kv_blocks())])
+    rng = random.Random(16)
+    total = 0.0
+    for k in range(replicas):
+        apps = [a for a in range(APPS) if a % replicas == k]
+        if not apps:
+            continue
+        reqs = []
+        for i in range(SATURATED):
+            n, hashes = _blocks(single_body(rng.choice(apps), 60_000_000 + i))
+            reqs.append(Request(f"r{i}", n, SINGLE_OUT, hashes=hashes))
+        eng = spec.engine()
+        drive(eng, reqs)
+        total += len(reqs) / max(r.last_token_at for r in reqs)
+    return total
+
+
+def single_rate(quick: bool, replicas: int) -> float:
+    """Single-turn requests per second: LOAD x the best router's capacity, less the sessions' turns."""
+    session_rps = SESSIONS * TURNS / plan(quick)["duration"]
+    return max(0.5, LOAD * best_router_rps(replicas) - session_rps)
+
+
 @functools.lru_cache(maxsize=4)
 def plan(quick: bool) -> dict[str, Any]:
-    """The workload's derived numbers for one mode: rate, KV blocks, SLO, the best achievable hit rate."""
+    """The workload's derived numbers for one mode: duration and SLO."""
     duration = 12.0 if quick else 40.0
-    sessions = [(i % APPS, b) for i in range(SESSIONS) for b in session_bodies(i, i % APPS)]
-    singles = [(a % APPS, single_body(a % APPS, a)) for a in range(4 * APPS)]  # a sample, every app
-    _rate, uncached = best_achievable(singles + sessions)
-    per_request = 1.0 / capacity_rps(_BASE, max(1, round(uncached)), SINGLE_OUT)
-    session_rps = SESSIONS * TURNS / duration
-    rate = max(0.5, 0.5 * REPLICAS / per_request - session_rps)
     # the largest prompt with its prefix cached: one step computing the suffix while attending to the prefix
     largest = system_tokens(APPS - 1)
     eng = _BASE.engine()
@@ -152,13 +180,13 @@ def plan(quick: bool) -> dict[str, Any]:
     eng.add(hit, t0)
     drive(eng)
     cached_ttft = hit.first_token_at - t0
-    return {"duration": duration, "rate": rate, "slo": slo_ttft_s(cached_ttft)}
+    return {"duration": duration, "slo": slo_ttft_s(cached_ttft)}
 
 
-def _arrivals(quick: bool) -> tuple[list[Arrival], list[tuple[int, dict[str, Any]]]]:
-    """The arrivals and every request body in send order (sessions' turns at their nominal times)."""
-    p = plan(quick)
-    duration, rate = p["duration"], p["rate"]
+def _arrivals(quick: bool, rate: float) -> tuple[list[Arrival], list[tuple[int, dict[str, Any]]]]:
+    """The arrivals at `rate` single-turn requests per second and every request body in send order (sessions'
+    turns at their nominal times)."""
+    duration = plan(quick)["duration"]
     rng = random.Random(16)
     arrivals: list[Arrival] = []
     timeline: list[tuple[float, int, dict[str, Any]]] = []
@@ -191,16 +219,21 @@ def _session_script(bodies: list[dict[str, Any]], app: int):
     return script
 
 
-@functools.lru_cache(maxsize=4)
-def workload_facts(quick: bool) -> tuple[float, int]:
-    """(best achievable hit rate, KV blocks per replica) of the mode's workload."""
-    _arr, bodies = _arrivals(quick)
-    best, _uncached = best_achievable(bodies)
-    return best, blocks_for_tokens(_BASE, round(KV_SHARE * working_set_tokens()))
+@functools.lru_cache(maxsize=1)
+def kv_blocks() -> int:
+    """KV blocks per replica: KV_SHARE of the prefix working set."""
+    return blocks_for_tokens(_BASE, round(KV_SHARE * working_set_tokens()))
+
+
+@functools.lru_cache(maxsize=8)
+def best_hit_rate(quick: bool, replicas: int = REPLICAS) -> float:
+    """The best achievable hit rate of the mode's workload on `replicas` replicas (`best_achievable`)."""
+    _arr, bodies = _arrivals(quick, single_rate(quick, replicas))
+    return best_achievable(bodies)[0]
 
 
 SLO_TTFT_S = plan(True)["slo"]
-KV_BLOCKS = workload_facts(True)[1]
+KV_BLOCKS = kv_blocks()
 
 
 class S(Scenario):
@@ -211,8 +244,12 @@ class S(Scenario):
     time_scale = 1.0
     sim_args = ["--num-gpu-blocks", str(KV_BLOCKS)]
     slo_ttft_s = SLO_TTFT_S
-    derived_values = {"single-turn (req/s)": plan(True)["rate"], "KV blocks": KV_BLOCKS,
-                      "best achievable hit rate": round(workload_facts(True)[0], 3)}
+
+    @property
+    def derived_values(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"single-turn (req/s)": single_rate(True, self.replicas), "KV blocks": KV_BLOCKS,
+                "best achievable hit rate": round(best_hit_rate(True, self.replicas), 3)}
+
     headline = ("slo_goodput_rps", "prefix_hit_rate", "ttft_p95_s")
     metrics_doc = [
         Metric("prefix_hit_rate", "prompt tokens found in the replicas' prefix caches / prompt tokens queried "
@@ -227,7 +264,7 @@ class S(Scenario):
     ]
 
     def workload(self, quick: bool) -> Workload:
-        arrivals, _bodies = _arrivals(quick)
+        arrivals, _bodies = _arrivals(quick, single_rate(quick, self.replicas))
         return Workload(arrivals=arrivals, duration=plan(quick)["duration"], drain=4.0)
 
     def call_class(self, call: Call, run: RunData) -> str:
@@ -235,7 +272,7 @@ class S(Scenario):
 
     def metrics(self, run: RunData) -> dict[str, float | None]:
         ts = run.time_scale
-        best = workload_facts(bool(run.extra.get("quick", True)))[0]
+        best = best_hit_rate(bool(run.extra.get("quick", True)), len(run.replicas) or self.replicas)
         queries = run.counter_total("prefix_cache_queries")
         hits = run.counter_total("prefix_cache_hits")
         rate = hits / queries if queries else None

@@ -242,10 +242,12 @@ class Placer:
         """How long `req` would hold KV on `r`: its predicted TTFT there, then its expected output's decode."""
         return self.predicted_ttft_s(r, prompt, now) + req.expected_output_tokens * self.decode_s
 
-    def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, prompt: float) -> bool:
-        """`req`'s footprint fits within `limit` beside what `r` will hold during its lifetime (`kv_committed`;
-        the whole future first: O(1), and enough whenever the replica is not near full)."""
-        room = limit - req.total_tokens
+    def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, prompt: float,
+                held: float = 0.0) -> bool:
+        """`req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already hold)
+        fits within `limit` beside what `r` will hold during its lifetime (`kv_committed`; the whole future
+        first: O(1), and enough whenever the replica is not near full)."""
+        room = limit - (req.total_tokens - held)
         if self.kv_committed(r, now) <= room:
             return True
         return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
@@ -257,9 +259,10 @@ class Placer:
 
     # ---- the filter ------------------------------------------------------------------------------------
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
-                prompt: float | None = None) -> str | None:
+                prompt: float | None = None, held: float = 0.0) -> str | None:
         """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s`: the predicted TTFT allowed
-        (`ttft_limit_s()`); `prompt`: the tokens of its prompt `r` must compute (default: all of them)."""
+        (`ttft_limit_s()`); `prompt`: the tokens of its prompt `r` must compute (default: all of them); `held`:
+        the tokens of its prompt that requests in flight on `r` already hold in KV (a shared prefix)."""
         pol = self.policy
         if not r.routable:
             if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
@@ -279,7 +282,7 @@ class Placer:
         if prompt is None:
             prompt = req.prompt_tokens
         cap = r.kv_capacity_tokens
-        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), prompt):
+        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), prompt, held):
             return KV_FULL
         backlog = self.backlog(r, now)
         if backlog > 0:
@@ -412,7 +415,8 @@ class Placer:
         return self.backlog_share * self.policy.ttft_target_s
 
     # ---- the score and the picker --------------------------------------------------------------------------
-    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, prompt: float | None = None) -> float:
+    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, prompt: float | None = None,
+              held: float = 0.0) -> float:
         pol = self.policy
         s = self.predicted_ttft_s(r, req.prompt_tokens if prompt is None else prompt, now) / pol.ttft_target_s
         # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
@@ -426,7 +430,7 @@ class Placer:
             s += WEIGHT_PENALTY * (1.0 - w)
         cap = r.kv_capacity_tokens
         if cap:
-            s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens) / cap
+            s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens - held) / cap
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
         return s + pol.score_waiting_weight * r.engine.waiting
@@ -452,6 +456,7 @@ class Placer:
         held_s = self._tenant_backlog_s(req.tenant, now)
         ttft_limit = self.ttft_limit_s(req, now, waited)
         cached = self.prefix.cached_tokens(req) if self.prefix is not None else {}
+        held = self.prefix.held_tokens(req) if self.prefix is not None else {}
         self._cached_for, self._cached = req, cached
         subset = req.subset
         for r in self.pool.replicas:
@@ -464,11 +469,12 @@ class Placer:
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
             prompt = req.prompt_tokens - cached[r] if r in cached else req.prompt_tokens
-            why = self.why_not(r, req, lane, now, ttft_limit, prompt)
+            shared = held.get(r, 0.0)
+            why = self.why_not(r, req, lane, now, ttft_limit, prompt, shared)
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
-            s = self.score(r, req, now, lane, prompt)
+            s = self.score(r, req, now, lane, prompt, shared)
             if best is None or s < best_s:
                 second, second_s, best, best_s = best, best_s, r, s
             elif second is None or s < second_s:
@@ -509,6 +515,8 @@ class Placer:
         if growth is not None:
             self._ledger(r).remove(growth)
         r.release(req.total_tokens, req.prompt_tokens, epoch)
+        if self.prefix is not None and req.prefix_chain:
+            self.prefix.release(r, req)
         r.lane_inflight[lane] -= 1
         if r.lane_inflight[lane] == 0:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
@@ -519,6 +527,8 @@ class Placer:
         its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
         self.release(r, req, lane, epoch, growth)
         to.place(req.total_tokens, req.prompt_tokens)
+        if self.prefix is not None and req.prefix_chain:
+            self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1
         if growth is not None:
             growth = self._ledger(to).add(growth.end - req.expected_output_tokens / growth.per_s,

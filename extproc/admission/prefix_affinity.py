@@ -21,6 +21,11 @@ replica's confidence moves by ALPHA toward
 
     confidence(r) <- confidence(r) + ALPHA x (min(1, hits / predicted) - confidence(r))
 
+Hits beyond the window's predictions (at most as many again) carry over to the next window: a request placed
+just before a scrape is predicted in that window but prefilled, and counted by the engine, in the next one.
+Dropping that surplus biased every window low (a window short of its late hits, the next one capped at 1), and
+with it the confidence, which kept cached prompts of several thousand tokens predicted as long prefills.
+
 It starts at 0, so nothing is assumed before the counters agree: requests placed by load alone land on a
 replica that already served their prefix often enough for the counters to show it. An engine with prefix
 caching off, or evicting its cache under KV pressure, shows fewer hits than predicted, and the term fades.
@@ -34,8 +39,25 @@ whole when it spills over.
 
 The placement term (placement.py): a replica must compute `prompt - confidence(r) x cached(r)` tokens of the
 prompt, and that is what its predicted TTFT, its prefill gate and the prefill backlog charged on placing use.
-A hot prefix does not melt its replica: that replica's backlog, KV, engine queue and concurrency rise like any
-other's, and once its score passes another replica's the prefix spills there, which then caches it too.
+
+Headroom counts the prefix once. Requests in flight on a replica that share a prefix share its KV blocks in the
+engine, so a request adds to that replica's KV only what its in-flight neighbours do not already hold:
+
+    footprint(r) = prompt + expected output - held(r)
+    held(r)      = confidence(r) x characters of the longest level held by a request in flight on r
+                   x prompt tokens / prompt characters
+
+(`held_tokens`; a level is held from the placement of a request carrying it until that request ends). A prefix
+whose blocks are cached but idle is not held: vLLM counts idle cached blocks as free
+(`kv_cache_usage_perc` = 1 - free blocks / blocks, the free queue holding them), and a request reusing them
+takes them back out of it, so its footprint is then the whole prompt. Counting every request's full prompt
+instead made a replica serving one app's 6,000-token prompt look full after three of them, the KV gate refused
+it and the app's next requests were computed cold on the other replica (PX: KV refusals were the commonest
+reason, hit rate 0.77 of the best achievable).
+
+A hot prefix does not melt its replica: that replica's backlog, KV (its requests' tails and outputs), engine
+queue and concurrency rise like any other's, and once it no longer fits or its score passes another replica's,
+the prefix spills there, which then caches it too.
 """
 
 from __future__ import annotations
@@ -70,6 +92,8 @@ class PrefixAffinity:
     def __init__(self) -> None:
         self.where: OrderedDict[int, dict[Replica, float]] = OrderedDict()
         self.tally: dict[str, _Tally] = {}
+        # level hash -> replica -> requests in flight there whose prompt carries that level (its KV is held)
+        self.held: dict[int, dict[Replica, int]] = {}
 
     # ---- the hot path ------------------------------------------------------------------------------------
     def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
@@ -92,6 +116,51 @@ class PrefixAffinity:
                         out[r] = t.confidence * PREFIX_LADDER[i] * per_char * (1.0 if r is latest else OLDER_HOLDER)
         return out
 
+    def held_tokens(self, req: LLMRequest) -> dict[Replica, float]:
+        """Per replica, the prompt tokens its requests in flight already hold in KV: confidence x the longest level
+        of `req`'s prefix carried by one of them (0 / absent: none, or no confirmed prefix cache there)."""
+        chain = req.prefix_chain
+        held = self.held
+        if not chain or not held or not req.prompt_chars:
+            return {}
+        per_char = req.prompt_tokens / req.prompt_chars
+        out: dict[Replica, float] = {}
+        for i in range(len(chain) - 1, -1, -1):
+            on = held.get(chain[i])
+            if on is None:
+                continue
+            for r in on:
+                if r not in out:
+                    t = self.tally.get(r.address)
+                    if t is not None and t.confidence > 0:
+                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char
+        return out
+
+    def hold(self, r: Replica, req: LLMRequest) -> None:
+        """`req` is in flight on `r`: every level of its prefix is held in that engine's KV until `release`."""
+        held = self.held
+        for h in req.prefix_chain:
+            on = held.get(h)
+            if on is None:
+                held[h] = {r: 1}
+            else:
+                on[r] = on.get(r, 0) + 1
+
+    def release(self, r: Replica, req: LLMRequest) -> None:
+        """`req` left `r` (finished, cancelled or moved): its levels are held there by one request fewer."""
+        held = self.held
+        for h in req.prefix_chain:
+            on = held.get(h)
+            if on is None or r not in on:
+                continue  # placed before a reload replaced this tracker
+            n = on[r] - 1
+            if n > 0:
+                on[r] = n
+            else:
+                del on[r]
+                if not on:
+                    del held[h]
+
     def record(self, r: Replica, req: LLMRequest, predicted: float, now: float) -> None:
         """`req` was placed on `r`, where `predicted` tokens of its prompt were expected cached (unweighted by
         confidence): every level of its prefix is now there too."""
@@ -99,6 +168,7 @@ class PrefixAffinity:
         if t is None:
             t = self.tally[r.address] = _Tally()
         t.predicted += predicted
+        self.hold(r, req)
         where = self.where
         for h in req.prefix_chain:
             placed = where.get(h)
@@ -153,7 +223,8 @@ class PrefixAffinity:
             if t.predicted >= MIN_EVIDENCE:
                 seen = min(1.0, t.hits / t.predicted)
                 t.confidence += ALPHA * (seen - t.confidence)
-                t.predicted = t.hits = 0.0
+                t.hits = min(t.hits - t.predicted, t.predicted) if t.hits > t.predicted else 0.0
+                t.predicted = 0.0
 
     def confidence(self, r: Replica) -> float:
         t = self.tally.get(r.address)

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from extproc.admission.placement import KV_FULL
 from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity
 from extproc.request import PREFIX_LADDER, LLMRequest, prefix_chain
 from extproc.routing.pool import Replica
@@ -13,6 +14,7 @@ from extproc.routing.scrape import ScrapedState
 from .placing import placer
 
 SYSTEM = "".join(random.Random(7).choice("abcdefgh ") for _ in range(16_000))  # about 4,000 tokens
+OTHER = "".join(random.Random(8).choice("abcdefgh ") for _ in range(16_000))  # another app's system prompt
 LEVEL = max(level for level in PREFIX_LADDER if level <= len(SYSTEM))  # the longest level SYSTEM covers
 
 
@@ -52,6 +54,7 @@ def confirmed(aff: PrefixAffinity, r: Replica, rounds: int = 3, share: float = 1
             q = req(user=f"u{k}-{predicted}")
             p = aff.predicted_tokens(r, q)
             aff.record(r, q, p, 0.0)
+            aff.release(r, q)  # it ran and ended before the scrape
             predicted += max(p, 100.0)
         hits += share * predicted
         scrape(r, 1.0 + k, hits)
@@ -150,3 +153,69 @@ def test_a_prefix_placed_on_two_replicas_counts_in_full_only_where_it_went_last(
     cached = aff.cached_tokens(req(user="next"))
     assert cached[a] == pytest.approx(cached[b] / OLDER_HOLDER * aff.confidence(a) / aff.confidence(b))
     assert cached[a] > cached[b] > 0
+
+
+def test_a_prefix_is_held_while_a_request_carrying_it_is_in_flight():
+    """Requests in flight sharing a prefix share its KV blocks; once they end the blocks are idle, which vLLM counts
+    as free, so nothing is held."""
+    aff, a, b = PrefixAffinity(), Replica(address="a:1", pool="m"), Replica(address="b:1", pool="m")
+    for r in (a, b):
+        scrape(r, 0.5, 0.0)
+    aff.on_scrape([a, b])
+    confirmed(aff, a)
+    confirmed(aff, b)
+    assert aff.held_tokens(req(user="next")) == {}
+    first = req(user="in flight")
+    aff.record(a, first, aff.predicted_tokens(a, first), 5.0)
+    q = req(user="next")
+    held = aff.held_tokens(q)
+    assert set(held) == {a}
+    assert held[a] == pytest.approx(aff.confidence(a) * LEVEL * q.prompt_tokens / q.prompt_chars)
+    assert aff.held_tokens(req(system=OTHER)) == {}
+    aff.release(a, first)
+    assert aff.held_tokens(q) == {} and aff.held == {}
+
+
+def test_a_replica_near_its_kv_limit_takes_more_of_a_prefix_its_requests_hold():
+    """The KV gate counts a prefix held by requests in flight once: the replica holding it keeps taking its requests
+    (their tails and outputs fit), while a prompt of another prefix, or the same one on another replica, does not."""
+    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)  # KV 100,000 tokens, limit 90,000
+    home, other = p.pool.replicas
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, home)
+    first = req(user="first")
+    assert p.choose(first, 1, 10.0)[0] is home
+    p.commit(home, first, 1, 10.0)
+    epoch = home.scrape_epoch
+    for r in p.pool.replicas:  # both engines near full, `first` running on home
+        scrape(r, 10.5, 0.0, kv_usage=0.87)
+    q = req(user="second")
+    assert q.total_tokens > 3_000 and p.why_not(other, q, 1, 11.0, 1.0) == KV_FULL
+    assert p.choose(q, 1, 11.0) == [home]
+    assert p.choose(req(system=OTHER), 1, 11.0) is None and p.last_reasons == {KV_FULL: 2}
+    p.release(home, first, 1, epoch)  # it ended: its prefix is idle, counted free by the engine
+    assert p.choose(q, 1, 11.0) is None
+
+
+def test_hits_counted_a_scrape_after_their_placement_still_confirm_the_prediction():
+    """Requests placed just before a scrape are predicted in that window and hit in the next: the surplus carries
+    over, so an engine hitting every prediction, half of them a window late, keeps full confidence however the
+    windows' sizes vary."""
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    hits, late = 0.0, 0.0
+    for k in range(12):
+        predicted = 0.0
+        for n in range(1 if k % 2 else 3):
+            q = req(user=f"u{k}-{n}")
+            aff.record(r, q, 3000.0, 0.0)
+            aff.release(r, q)
+            predicted += 3000.0
+        hits += late + predicted / 2  # the engine counts half of them now, the rest at the next scrape
+        late = predicted / 2
+        scrape(r, 1.0 + k, hits)
+        aff.on_scrape([r])
+    assert aff.confidence(r) > 0.95

@@ -197,6 +197,27 @@ def test_cached_blocks_are_evicted_when_space_is_needed() -> None:
     e.check_invariants()
 
 
+def test_kv_usage_counts_blocks_requests_hold_not_idle_cached_ones() -> None:
+    """vLLM 0.32: `kv_cache_usage_perc` = 1 - free blocks / (blocks - the null block) (vllm/v1/core/block_pool.py
+    `BlockPool.get_usage`), and a finished request's cached blocks go back to the free queue (evictable, still
+    hashed). So idle cached blocks are free; a request reusing them takes them out of the free queue again (its
+    whole prompt counts), and one sharing the blocks of a running request adds none of them."""
+    e = make(blocks=100, prefix_cache=True)
+    ids = list(range(800))  # 50 full blocks
+    a = Request("a", 800, 2, hashes=block_hashes(ids, 16))
+    run_offline(e, [(0.0, a)])
+    assert e.kv_usage() == 0.0 and len(e.pool.evictable) == 50
+    b, c = (Request(n, 800, 50, hashes=block_hashes(ids, 16)) for n in "bc")
+    for r in (b, c):
+        e.add(r, e.clock)
+        e.clock = max(e.clock, r.ready_at)
+        e.complete(e.schedule())
+    assert b.num_blocks == 51 and c.num_blocks == 50 and len(c.shared) == 50  # b's 51st: its first decode token
+    assert e.kv_usage() == pytest.approx(51 / 99)  # b's 50 prompt blocks, shared by c, and b's decode block
+    assert e.stats.prefix_hits == 2 * 49 * 16
+    e.check_invariants()
+
+
 def test_same_arrivals_give_the_same_decisions() -> None:
     def trace(seed: int) -> list[tuple[float, int, int]]:
         rng = random.Random(seed)
