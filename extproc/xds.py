@@ -590,6 +590,16 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
     return listener
 
 
+# Envoy's heap (tcmalloc) returns freed pages to the kernel promptly only while it is above this soft limit; below it,
+# background release (16 MiB/s) skips the pages its last 60 s / 300 s of demand needed ("subreleases skipped due to
+# short-term fluctuations and long-term trends" in /memory/tcmalloc), so after a burst, e.g. 10,000 silent
+# connections (Envoy 67 -> 185 MB), RSS stayed at its peak for minutes. 16 MiB is about Envoy's heap at rest
+# (13.5 MB measured), so free pages beyond it go back at once: RSS is back within 10% of where it started seconds
+# after the burst (tests/reliability/test_connections.py, `python -m bench.conn_flood`). The limit is soft: nothing
+# is refused above it; tcmalloc returns free pages instead of caching them, and refaults them on the next growth.
+ENVOY_HEAP_SOFT_LIMIT_BYTES = 16 << 20
+
+
 def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
     """`xds_dir` is where Envoy will read lds.yaml / cds.yaml (inside a container: its mount point)."""
     watched = WatchedDirectory(path=str(xds_dir))
@@ -608,10 +618,8 @@ def render_bootstrap(policy: Policy, xds_dir: Path) -> Bootstrap:
         admin=Admin(address=_addr(policy.gateway.admin_host, policy.gateway.admin_port)),
         dynamic_resources=BootstrapDynamicResources(lds_config=source("lds.yaml"), cds_config=source("cds.yaml")),
         overload_manager=overload,
-        # tcmalloc keeps freed pages: after a burst of connections (10,000 held ones took Envoy from 79 to 152 MB)
-        # Envoy would stay at its peak. Release free memory in the background, up to 16 MiB a second.
-        memory_allocator_manager=MemoryAllocatorManager(bytes_to_release=16 << 20,
-                                                        memory_release_interval=_secs(1)),
+        memory_allocator_manager=MemoryAllocatorManager(bytes_to_release=16 << 20, memory_release_interval=_secs(1),
+                                                        soft_memory_limit_bytes=ENVOY_HEAP_SOFT_LIMIT_BYTES),
     )
 
 
