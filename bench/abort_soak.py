@@ -44,7 +44,7 @@ import h2.connection
 import h2.errors
 
 from bench.procstat import rss_bytes
-from bench.soak import git_commit, scrape, total
+from bench.soak import git_commit, scrape, total, write_report
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -260,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{v['late_mean_mb_per_round']} MB/round; gc objects {v['gc_object_growth']:+d}, tasks "
           f"{v['asyncio_task_growth']:+d}; checks " + ", ".join(f"{k} {'ok' if ok else 'FAILED'}"
                                                                  for k, ok in v["checks"].items()))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0 if v["passed"] else 1
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bench.procstat import rss_bytes
-from bench.soak import git_commit
+from bench.soak import git_commit, write_report
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -276,10 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     report["command"] = " ".join(["python", "-m", "bench.conn_flood", *(argv if argv is not None else sys.argv[1:])])
     report["checks"] = verdict(report)
     report["passed"] = all(report["checks"].values())
-    print(json.dumps({k: v for k, v in report.items()}, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    write_report(args.json, report)
     return 0 if report["passed"] else 1
 
 
