@@ -592,11 +592,12 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
 
 # Envoy's heap (tcmalloc) returns freed pages to the kernel promptly only while it is above this soft limit; below it,
 # background release (16 MiB/s) skips the pages its last 60 s / 300 s of demand needed ("subreleases skipped due to
-# short-term fluctuations and long-term trends" in /memory/tcmalloc), so after a burst, e.g. 10,000 silent
-# connections (Envoy 67 -> 185 MB), RSS stayed at its peak for minutes. 16 MiB is about Envoy's heap at rest
-# (13.5 MB measured), so free pages beyond it go back at once: RSS is back within 10% of where it started seconds
-# after the burst (tests/reliability/test_connections.py, `python -m bench.conn_flood`). The limit is soft: nothing
-# is refused above it; tcmalloc returns free pages instead of caching them, and refaults them on the next growth.
+# short-term fluctuations and long-term trends" in /memory/tcmalloc). After 10,000 silent connections (Envoy 67 ->
+# 185 MB) RSS stayed at its peak for at least a minute; with this limit the next allocations release the free page
+# heap (91 MiB) and RSS is at about 100 MB within seconds. What stays (about +30 MB) is not free pages: small
+# objects freed into spans that still hold live ones (21 MiB), thread caches (8 MiB) and tcmalloc's page map
+# (9 MiB), which no allocator setting returns (docs/reliability.md). 16 MiB is about Envoy's heap at rest (13.5 MB
+# measured). The limit is soft: nothing is refused above it; tcmalloc returns free pages instead of caching them.
 ENVOY_HEAP_SOFT_LIMIT_BYTES = 16 << 20
 
 
