@@ -1,11 +1,13 @@
 """Which replica, if any, may take this request now: the saturation filter and the score (P3, P7, P9, P12, P13).
 
 A replica fits a request when, with the request added, it stays within every limit:
-  KV      held + footprint <= capacity x weight x (1 - margin), where held is what the engine holds now: its
-          scraped KV usage, plus the footprints placed since that scrape, plus the engine's waiting requests (not
-          in its KV yet), plus what its running requests decoded since the scrape (`kv_held`). A request's full
-          footprint (prompt + expected output) counts only until the engine's numbers include it, not for its
-          whole life: a stream whose client reads slowly holds nothing in an engine that finished it (P13)
+  KV      committed + footprint <= capacity x weight x (1 - margin), where committed is what the engine holds
+          now (its scraped KV usage, plus the prompts placed since that scrape, plus the engine's waiting requests,
+          not in its KV yet, plus what its running requests decoded since the scrape) plus the output its
+          requests in flight, this sidecar's and the others' sharing through Redis, are still expected to decode
+          while the new request would run (`kv_committed`, kv_growth.py: no preemption when gateways place long
+          generations, PG / P9). Not a lifetime reservation: a stream whose client reads slowly holds nothing in
+          an engine that finished it (P13)
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
           the cap learned from the engine (seq_cap.py); unknown, at most double what the engine showed per
@@ -55,6 +57,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from extproc.admission.kv_growth import Growth, KvGrowth
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefix_affinity import PrefixAffinity
 from extproc.request import LLMRequest
@@ -93,6 +96,8 @@ class Placer:
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         self._lane_caps: list[int] = []
+        # Per replica, the output this sidecar's requests there are still expected to decode (kv_growth.py).
+        self.growth: dict[Replica, KvGrowth] = {}
         self.on_replicas_changed()
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
@@ -124,6 +129,8 @@ class Placer:
                 r.lane_inflight = [0] * n_lanes
             if len(r.lane_prefill_until) != n_lanes:
                 r.lane_prefill_until = [0.0] * n_lanes
+        if len(self.growth) > len(self.pool.replicas):
+            self.growth = {r: g for r, g in self.growth.items() if r in self.pool.replicas}
         # Per lane: how many replicas may prefill it at once (0 = not confined).
         self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
 
@@ -174,20 +181,73 @@ class Placer:
           + the other sidecars' growth since the scrape   (shared through Redis: shared now - shared at scrape)
 
         Without engine numbers (never scraped, or metrics_style none), the reservations in flight (a full
-        footprint per request, this sidecar's and the others'). Growth beyond now is what kv_margin keeps free
-        for (P9)."""
-        e = r.engine
-        if not e.scraped_at:
+        footprint per request, this sidecar's and the others'). What is still to be decoded is `kv_committed`'s."""
+        if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        held = e.kv_usage * r.kv_capacity_tokens + r.placed_since_scrape_tokens
+        return self._since_scrape(r, now, r.placed_since_scrape_tokens, r.inflight_tokens)
+
+    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float) -> float:
+        """The engine's scraped KV usage plus, since that scrape: `placed` tokens this sidecar placed, the others'
+        footprints placed, its waiting requests at `inflight` / this sidecar's requests in flight each, and what
+        its running requests decoded."""
+        e = r.engine
+        held = e.kv_usage * r.kv_capacity_tokens + placed
         others_since = r.shared_tokens - r.shared_at_scrape
         if others_since > 0:
             held += others_since
         if e.waiting and r.inflight_requests:
-            held += e.waiting * r.inflight_tokens / r.inflight_requests
+            held += e.waiting * inflight / r.inflight_requests
         if e.running and now > e.scraped_at:
             held += e.running * (now - e.scraped_at) / self.decode_s
         return held
+
+    def own_growth(self, r: Replica, now: float) -> float:
+        """Output tokens this sidecar's requests on `r` are still expected to decode (kv_growth.py)."""
+        g = self.growth.get(r)
+        return g.remaining(now) if g is not None else 0.0
+
+    def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None) -> float:
+        """KV tokens the replica's engine will hold, at most, within the next `horizon_s` seconds (None: before its
+        requests in flight end): what it holds now plus the output they decode meanwhile (the admission check;
+        `kv_held` is the score's view of now):
+
+            scraped usage x capacity                   what the engine reported it holds
+          + prompts placed since that scrape           (their outputs are in the growth below)
+          + the other sidecars' footprints placed since the scrape  (shared through Redis)
+          + engine waiting x mean prompt here          queued in the engine, not yet in its KV
+          + running x (now - scraped at) / decode s    what its running requests decoded since
+          + own growth within the horizon              sum over this sidecar's requests here of the output they
+                                                       decode before now + horizon (kv_growth.py `within`)
+          + the others' growth within the horizon      min(their published growth, their requests x horizon /
+                                                       decode s)  (they publish a total, not its timing)
+
+        Requests ending within the horizon free their KV before it ends, which this leaves out (an upper bound).
+        A request placed now needs the KV for its own lifetime only (`lifetime_s`): growth after it ends cannot
+        preempt it, and placing it does not add to it. So the engine's KV fits what its requests will grow into
+        while the new one runs, not only what they hold now (no preemption when several gateways place long
+        generations, PG / P9), while a short request is not held back by the far future of long ones, and a
+        request whose decode is predicted to have ended counts only what the scrape shows (a slow reader's
+        finished stream holds nothing, P13). Without engine numbers: the reservations in flight, as `kv_held`."""
+        if not r.engine.scraped_at:
+            return float(r.inflight_tokens + r.shared_tokens)
+        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens)
+        own = self.growth.get(r)
+        if horizon_s is None:
+            return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
+        others = r.shared_requests * horizon_s / self.decode_s
+        return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
+
+    def lifetime_s(self, r: Replica, req: LLMRequest, now: float, prompt: float) -> float:
+        """How long `req` would hold KV on `r`: its predicted TTFT there, then its expected output's decode."""
+        return self.predicted_ttft_s(r, prompt, now) + req.expected_output_tokens * self.decode_s
+
+    def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, prompt: float) -> bool:
+        """`req`'s footprint fits within `limit` beside what `r` will hold during its lifetime (`kv_committed`;
+        the whole future first: O(1), and enough whenever the replica is not near full)."""
+        room = limit - req.total_tokens
+        if self.kv_committed(r, now) <= room:
+            return True
+        return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
 
     def max_footprint(self) -> float:
         """The largest footprint any replica could ever hold (for "can never fit")."""
@@ -215,13 +275,13 @@ class Placer:
             return CONCURRENCY
         if r.engine.waiting > pol.max_waiting_per_replica:
             return QUEUE_FULL
+        if prompt is None:
+            prompt = req.prompt_tokens
         cap = r.kv_capacity_tokens
-        if cap and self.kv_held(r, now) + req.total_tokens > cap * w * (1 - pol.kv_margin):
+        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), prompt):
             return KV_FULL
         backlog = self.backlog(r, now)
         if backlog > 0:
-            if prompt is None:
-                prompt = req.prompt_tokens
             if backlog + prompt > self.rate * ttft_limit_s * w:
                 return PREFILL
         return None
@@ -408,9 +468,10 @@ class Placer:
         return [best] if second is None else [best, second]
 
     # ---- accounting ------------------------------------------------------------------------------------
-    def commit(self, r: Replica, req: LLMRequest, lane: int, now: float) -> None:
-        """`req` goes to `r`: charge its uncached prompt to the replica's prefill backlog, and remember its prefix
-        there (prefix_affinity.py)."""
+    def commit(self, r: Replica, req: LLMRequest, lane: int, now: float) -> Growth:
+        """`req` goes to `r`: charge its uncached prompt to the replica's prefill backlog, its expected output to
+        the replica's KV growth from its predicted first token on (returned: `release` takes it), and remember its
+        prefix there (prefix_affinity.py)."""
         cached = self._cached.get(r, 0.0) if self._cached_for is req else 0.0
         self._cached_for, self._cached = None, {}
         r.place(req.total_tokens, req.prompt_tokens)
@@ -426,17 +487,30 @@ class Placer:
             until[req.tenant] = r.lane_prefill_until[lane]
         if self.prefix is not None and req.prefix_chain:
             self.prefix.record(r, req, self.prefix.predicted_tokens(r, req), now)
+        return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s)
 
-    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int) -> None:
+    def _ledger(self, r: Replica) -> KvGrowth:
+        g = self.growth.get(r)
+        if g is None:
+            g = self.growth[r] = KvGrowth()
+        return g
+
+    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None) -> None:
+        if growth is not None:
+            self._ledger(r).remove(growth)
         r.release(req.total_tokens, req.prompt_tokens, epoch)
         r.lane_inflight[lane] -= 1
         if r.lane_inflight[lane] == 0:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
 
-    def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int) -> int:
+    def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int,
+             growth: Growth | None = None) -> tuple[int, Growth | None]:
         """The request was served by `to`, not by `r` where it was placed (the gateway walked down the pin list):
-        its accounting follows it. Returns its epoch on `to`."""
-        self.release(r, req, lane, epoch)
+        its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
+        self.release(r, req, lane, epoch, growth)
         to.place(req.total_tokens, req.prompt_tokens)
         to.lane_inflight[lane] += 1
-        return to.scrape_epoch
+        if growth is not None:
+            growth = self._ledger(to).add(growth.end - req.expected_output_tokens / growth.per_s,
+                                          req.expected_output_tokens, 1.0 / growth.per_s)
+        return to.scrape_epoch, growth

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from extproc.admission import metrics as am
 from extproc.admission.decode_time import DecodeTime
+from extproc.admission.kv_growth import Growth
 from extproc.admission.placement import REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefill_rate import PrefillRate
@@ -60,6 +61,7 @@ class Placement:
     epoch: int = -1  # the replica's scrape epoch when placed
     owner: "Scheduler | None" = None  # who to release to (survives a policy reload that replaces schedulers)
     at: float = 0.0  # dispatch time (service-time estimate for the drain rate)
+    growth: Growth | None = None  # its expected output still to decode on the replica (kv_growth.py)
 
 
 class DrainRate:
@@ -245,10 +247,10 @@ class Scheduler:
             self.m.saturated(self.placer.last_reasons)
             return None
         primary = pins[0]
-        self.placer.commit(primary, req, lane, now)
+        growth = self.placer.commit(primary, req, lane, now)
         self.lane_requests[lane] += 1
         self.lane_tokens[lane] += req.total_tokens
-        return Placement(primary, pins, lane, primary.scrape_epoch, self, now)
+        return Placement(primary, pins, lane, primary.scrape_epoch, self, now, growth)
 
     # ---- dispatch from the queues ---------------------------------------------------------------------
     def kick(self, now: float | None = None) -> int:
@@ -332,7 +334,8 @@ class Scheduler:
 
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
-        self.placer.release(placement.replica, req, placement.lane, placement.epoch)
+        self.placer.release(placement.replica, req, placement.lane, placement.epoch, placement.growth)
+        placement.growth = None
         now = time.monotonic()
         lane = placement.lane
         self.drain[lane].tick(now)
@@ -357,6 +360,7 @@ class Scheduler:
             self.calibration = old.calibration
             self.calibration.enabled = True
             self.m.estimate_factor(self.calibration.factor)
+        self.placer.growth = old.placer.growth  # the output its requests in flight still decode (released to old)
         if self.placer.prefix is not None and old.placer.prefix is not None:
             self.placer.prefix = old.placer.prefix  # where prefixes were placed, and the engines' confirmation
         for lane, w in old._take_queued():

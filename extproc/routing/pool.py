@@ -67,6 +67,7 @@ class Replica:
     placed_prompt_total: int = 0        # estimated prompt tokens ever placed here ...
     placed_requests_total: int = 0      # ... in this many requests (token calibration)
     placed_since_scrape_tokens: int = 0
+    placed_since_scrape_prompt_tokens: int = 0
     placed_since_scrape_requests: int = 0
     scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
@@ -91,6 +92,8 @@ class Replica:
     shared_tokens: int = 0
     shared_requests: int = 0
     shared_at_scrape: int = 0           # others' in-flight tokens when this replica was last scraped
+    shared_growth: float = 0.0          # output the others' requests here are still expected to decode
+                                        # (admission/kv_growth.py), as of the latest shared view
     state_since: float = field(default_factory=time.monotonic)
     state_reason: str = "start"
 
@@ -101,6 +104,7 @@ class Replica:
         self.placed_prompt_total += prompt_tokens
         self.placed_requests_total += 1
         self.placed_since_scrape_tokens += tokens
+        self.placed_since_scrape_prompt_tokens += prompt_tokens
         self.placed_since_scrape_requests += 1
 
     def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1) -> None:
@@ -112,6 +116,7 @@ class Replica:
         self.served_total += 1
         if epoch == self.scrape_epoch:
             self.placed_since_scrape_tokens -= tokens
+            self.placed_since_scrape_prompt_tokens -= prompt_tokens
             self.placed_since_scrape_requests -= 1
 
     def on_scrape(self, engine: EngineState) -> None:
@@ -119,6 +124,7 @@ class Replica:
         self.engine = engine
         self.scrape_epoch += 1
         self.placed_since_scrape_tokens = 0
+        self.placed_since_scrape_prompt_tokens = 0
         self.placed_since_scrape_requests = 0
         self.shared_at_scrape = self.shared_tokens
         if engine.kv_capacity_tokens:
@@ -131,10 +137,11 @@ class Replica:
         """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
         return not self.draining and self.state != EJECTED and self.weight > 0
 
-    def note_shared(self, tokens: int, requests: int) -> None:
+    def note_shared(self, tokens: int, requests: int, growth: float = 0.0) -> None:
         """The other sidecars' requests in flight here, as of the latest shared view."""
         self.shared_tokens = tokens
         self.shared_requests = requests
+        self.shared_growth = growth
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests

@@ -16,7 +16,7 @@ from extproc.config import PolicyError, parse_section, policy_from_dict
 from extproc.request import LLMRequest
 from extproc.routing.policy import SharedLoadPolicy
 from extproc.routing.pool import EngineState, Pool, Replica
-from extproc.routing.shared_load import Load, SharedLoad, redis_client
+from extproc.routing.shared_load import Load, SharedLoad, _encode, _merge, redis_client
 from tests.budgets.conftest import redis_proc, redis_server  # noqa: F401  (fixtures: a real redis-server)
 from tests.waiting import wait_for_async
 
@@ -94,6 +94,15 @@ def test_the_others_load_counts_in_placement_and_their_growth_between_scrapes():
     assert placer.kv_held(r, 2.0) == 4500
     r.note_shared(0, 0)  # Redis lost (or their requests ended): the engine's numbers only, as a single sidecar
     assert placer.kv_held(r, 2.0) == 4500
+
+
+def test_reports_carry_the_output_still_to_decode_and_older_reports_without_it_still_count():
+    view = _merge([_encode({"m": {"r1": (1100, 1, 690), "r2": (0, 0, 0)}}), b'{"m": {"r1": [300, 1]}}'])
+    assert view == {"m": {"r1": Load(1400, 2, 690)}}
+    r = Replica(address="r1", pool="m")
+    load = view["m"]["r1"]
+    r.note_shared(load.tokens, load.requests, load.growth)
+    assert (r.shared_tokens, r.shared_requests, r.shared_growth) == (1400, 2, 690)
 
 
 def test_the_others_requests_count_against_the_concurrency_limit():

@@ -1,0 +1,136 @@
+"""The KV a replica's requests in flight will still grow into: the output they have yet to decode (P9, PG).
+
+A scrape shows what an engine holds now. A long generation that started a moment ago shows its prompt only, yet
+it will hold prompt + output before it ends: admission that counts only what is held now lets the gateways fill
+the engine with prompts whose outputs then do not fit, and the engine preempts (P9; PG with several gateways).
+A reservation of the whole footprint for the request's whole life is wrong the other way: a stream whose client
+reads slowly holds nothing in an engine that has finished it (P13). What is still to come is the difference:
+
+    remaining_i(t) = out_i                            before its first token (t < first_i)
+                   = max(0, end_i - t) / d_i          after it, end_i = first_i + out_i x d_i
+
+with d_i the pool's decode seconds per token and first_i the placer's predicted first token, both when the
+request was placed; out_i is the client's max_tokens, else the app's learned p90 (output_length.py).
+
+    growth(t) = sum over pending i of out_i + sum over decoding i of (end_i / d_i) - t x sum(1 / d_i)
+
+kept as running sums and two heaps (pending by first_i, decoding by end_i), so a placement's check is O(1)
+amortised whatever the number of requests in flight (P12 runs hundreds per replica): a request moves from pending
+to decoding, and leaves when its end passes, on the next read; one that ends earlier (its stream finished or was
+cut) leaves the sums at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+
+COMPACT_MIN = 64  # removed entries tolerated in the heaps before a rebuild is considered
+_seq = count()     # tie-breaker for heap entries with equal times
+
+
+class Growth:
+    """One request's entry: its predicted first token and decode end, 1 / its decode time per token, its expected
+    output, and whether it still counts (live) and decodes (started)."""
+
+    __slots__ = ("first", "end", "per_s", "out", "live", "started")
+
+    def __init__(self, first: float, out: float, decode_s: float) -> None:
+        self.first = first
+        self.end = first + out * decode_s
+        self.per_s = 1.0 / decode_s
+        self.out = out
+        self.live = True
+        self.started = False
+
+
+class KvGrowth:
+    """Per replica, this sidecar's requests in flight on it. Pure arithmetic: no I/O."""
+
+    __slots__ = ("_pending", "_decoding", "_out", "_ends", "_rates", "_dead")
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[float, int, Growth]] = []   # by first token
+        self._decoding: list[tuple[float, int, Growth]] = []  # by decode end
+        self._out = 0.0    # sum of out_i over the live pending entries
+        self._ends = 0.0   # sum of end_i / d_i over the live decoding entries
+        self._rates = 0.0  # sum of 1 / d_i over the live decoding entries
+        self._dead = 0     # entries removed before their end, still in a heap
+
+    def add(self, first_token_at: float, output_tokens: float, decode_s: float) -> Growth:
+        """A request placed here that will decode `output_tokens` from `first_token_at` at `decode_s` per token."""
+        g = Growth(first_token_at, output_tokens, decode_s)
+        heapq.heappush(self._pending, (g.first, next(_seq), g))
+        self._out += g.out
+        return g
+
+    def remove(self, g: Growth) -> None:
+        """The request ended (or moved away): its growth stops counting now. Its entry leaves its heap when its time
+        comes, or when removed entries outnumber the counted ones (the heaps are rebuilt: bounded by the requests
+        in flight)."""
+        if not g.live:
+            return
+        self._drop(g)
+        self._dead += 1
+        if self._dead > COMPACT_MIN and 2 * self._dead > len(self._pending) + len(self._decoding):
+            self._pending = [e for e in self._pending if e[2].live]
+            self._decoding = [e for e in self._decoding if e[2].live]
+            heapq.heapify(self._pending)
+            heapq.heapify(self._decoding)
+            self._dead = 0
+
+    def _drop(self, g: Growth) -> None:
+        g.live = False
+        if g.started:
+            self._ends -= g.end * g.per_s
+            self._rates -= g.per_s
+        else:
+            self._out -= g.out
+
+    def _advance(self, now: float) -> None:
+        """Pending entries whose first token is due start decoding; decoding ones whose end passed leave."""
+        pending, decoding = self._pending, self._decoding
+        while pending and pending[0][0] <= now:
+            _, seq, g = heapq.heappop(pending)
+            if not g.live:
+                self._dead -= 1
+                continue
+            self._out -= g.out
+            g.started = True
+            self._ends += g.end * g.per_s
+            self._rates += g.per_s
+            heapq.heappush(decoding, (g.end, seq, g))
+        while decoding and decoding[0][0] <= now:
+            g = heapq.heappop(decoding)[2]
+            if g.live:
+                self._drop(g)
+            else:
+                self._dead -= 1
+        if not decoding:
+            self._ends = self._rates = 0.0  # no rounding drift carried over
+        if not pending:
+            self._out = 0.0
+
+    def remaining(self, now: float) -> float:
+        """Output tokens the counted requests are still expected to decode here."""
+        self._advance(now)
+        left = self._ends - now * self._rates
+        return self._out + (left if left > 0 else 0.0)
+
+    def within(self, now: float, horizon_s: float) -> float:
+        """Output tokens the counted requests are expected to decode in the next `horizon_s` seconds (O(requests
+        in flight): `remaining` first, which bounds it)."""
+        self._advance(now)
+        until = now + horizon_s
+        total = 0.0
+        for first, _, g in self._pending:
+            if g.live and first < until:
+                n = (until - first) * g.per_s
+                total += n if n < g.out else g.out
+        for end, _, g in self._decoding:
+            if g.live:
+                total += ((end if end < until else until) - now) * g.per_s
+        return total
+
+    def __len__(self) -> int:
+        return len(self._pending) + len(self._decoding)
