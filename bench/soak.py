@@ -222,6 +222,15 @@ def fault(stack: Stack, addr: str, name: str, value: Any) -> None:
     urllib.request.urlopen(req, timeout=5).read()
 
 
+def write_report(path: Path | None, report: dict[str, Any]) -> None:
+    """A bench's `--json FILE`: the whole report, every sample included (nothing when no file was asked for)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
 def wait_until(pred, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -329,10 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                       warmup_s=args.warmup_s, error_rate=args.error_rate, time_scale=args.time_scale,
                       seed=args.seed, max_growth_pct=args.max_growth)
     print(summary(report))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0 if report["passed"] else 1
 
 

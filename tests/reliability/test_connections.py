@@ -1,23 +1,29 @@
 """Silent connections (issue #19, finding 2): a connection that sends nothing is closed within the request headers
-timeout, so a flood of them cannot hold `max_downstream_connections` and a normal client is still served. This is
-the quick form (250 connections, a 1 s timeout); the 10,000-connection form with Envoy's RSS is a bench."""
+timeout, so a flood of them cannot hold `max_downstream_connections` and a normal client is still served. Two forms:
+250 connections with a 1 s timeout (slots to spare: the client is served at once), and the bar, 10,000 connections
+against `max_downstream_connections: 10000` (every slot held: the client is refused at accept until the first silent
+connections are closed), and Envoy's RSS afterwards (the 10% bar is not met: a strict xfail). The same flood prints
+its numbers as a bench: `python -m bench.conn_flood`."""
 
 from __future__ import annotations
 
 import socket
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
+from bench.conn_flood import FD_HEADROOM, RSS_TOLERANCE, flood, flood_policy, raise_fd_limit
 from extproc.supervisor import Stack
 
-from .conftest import chat, running_stack
+from .conftest import chat, running_stack, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 HEADERS_TIMEOUT_S = 1.0
 SILENT = 250
+FLOOD = 10_000
+FLOOD_HEADERS_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +60,32 @@ def test_silent_connections_are_closed_and_a_client_is_served(stack: Stack) -> N
     finally:
         for s in silent:
             s.close()
+
+
+
+@pytest.fixture(scope="module")
+def flooded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """FLOOD silent connections against a gateway whose max_downstream_connections is FLOOD (bench/conn_flood.py
+    `flood`); Envoy, started after the fd limit is raised, inherits it."""
+    raise_fd_limit(FLOOD + FD_HEADROOM)
+    policy = flood_policy(FLOOD, FLOOD_HEADERS_TIMEOUT_S)
+    with running_stack(tmp_path_factory.mktemp("flood"), {k: policy[k] for k in ("gateway", "simulator")}) as s:
+        report = flood(s, FLOOD, settle_s=30.0, poll=wait_for, log=lambda *_: None)
+    print(f"\n{report}")
+    return report
+
+
+def test_ten_thousand_silent_connections_leave_a_client_served(flooded: dict[str, Any]) -> None:
+    assert flooded["max_downstream_connections"] == FLOOD
+    assert flooded["held_after_connect"] == FLOOD, "the flood did not hold every slot"
+    client = flooded["client"]
+    assert client["served"], client
+    assert client["latency_s"] < FLOOD_HEADERS_TIMEOUT_S, client
+    assert flooded["still_open_at_deadline"] == 0, flooded
+
+
+@pytest.mark.xfail(strict=True, reason="Envoy's RSS comes back to about +45% (67 -> 163 -> 100 MB), not within 10%: "
+                   "tcmalloc keeps central-cache fragmentation, thread caches and its page map (docs/reliability.md)")
+def test_envoy_memory_returns_after_ten_thousand_silent_connections(flooded: dict[str, Any]) -> None:
+    rss = flooded["envoy_rss_mb"]
+    assert rss["after"] <= rss["before"] * (1 + RSS_TOLERANCE), rss
