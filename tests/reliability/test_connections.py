@@ -2,8 +2,8 @@
 timeout, so a flood of them cannot hold `max_downstream_connections` and a normal client is still served. Two forms:
 250 connections with a 1 s timeout (slots to spare: the client is served at once), and the bar, 10,000 connections
 against `max_downstream_connections: 10000` (every slot held: the client is refused at accept until the first silent
-connections are closed), and Envoy's RSS afterwards (the 10% bar is not met: a strict xfail). The same flood prints
-its numbers as a bench: `python -m bench.conn_flood`."""
+connections are closed). Whether Envoy's RSS comes back to within 10% of where it started is the bench's number (`python -m bench.conn_flood`, bench/results/conn-flood-10k.json): it does not (about +50%,
+tcmalloc's fragmentation, thread caches and page map; docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from bench.conn_flood import FD_HEADROOM, RSS_TOLERANCE, flood, flood_policy, raise_fd_limit
+from bench.conn_flood import FD_HEADROOM, flood, flood_policy, raise_fd_limit
 from extproc.supervisor import Stack
 
 from .conftest import chat, running_stack, wait_for
@@ -24,6 +24,7 @@ HEADERS_TIMEOUT_S = 1.0
 SILENT = 250
 FLOOD = 10_000
 FLOOD_HEADERS_TIMEOUT_S = 3.0
+SETTLE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,12 @@ def test_silent_connections_are_closed_and_a_client_is_served(stack: Stack) -> N
 @pytest.fixture(scope="module")
 def flooded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """FLOOD silent connections against a gateway whose max_downstream_connections is FLOOD (bench/conn_flood.py
-    `flood`); Envoy, started after the fd limit is raised, inherits it."""
+    `flood`); Envoy, started after the fd limit is raised, inherits it. Envoy's RSS is the bench's to judge: this
+    waits only SETTLE_S for it."""
     raise_fd_limit(FLOOD + FD_HEADROOM)
     policy = flood_policy(FLOOD, FLOOD_HEADERS_TIMEOUT_S)
     with running_stack(tmp_path_factory.mktemp("flood"), {k: policy[k] for k in ("gateway", "simulator")}) as s:
-        report = flood(s, FLOOD, settle_s=30.0, poll=wait_for, log=lambda *_: None)
+        report = flood(s, FLOOD, settle_s=SETTLE_S, poll=wait_for, log=lambda *_: None)
     print(f"\n{report}")
     return report
 
@@ -82,10 +84,3 @@ def test_ten_thousand_silent_connections_leave_a_client_served(flooded: dict[str
     assert client["served"], client
     assert client["latency_s"] < FLOOD_HEADERS_TIMEOUT_S, client
     assert flooded["still_open_at_deadline"] == 0, flooded
-
-
-@pytest.mark.xfail(strict=True, reason="Envoy's RSS comes back to about +45% (67 -> 163 -> 100 MB), not within 10%: "
-                   "tcmalloc keeps central-cache fragmentation, thread caches and its page map (docs/reliability.md)")
-def test_envoy_memory_returns_after_ten_thousand_silent_connections(flooded: dict[str, Any]) -> None:
-    rss = flooded["envoy_rss_mb"]
-    assert rss["after"] <= rss["before"] * (1 + RSS_TOLERANCE), rss
