@@ -297,12 +297,14 @@ class Placer:
         (beyond it a request waits in the engine, where it cannot move to another replica); with the cap
         unknown, the placements of one scrape interval may at most double:
 
-            placed since the scrape < max(PROBE_BASE, seen x weight, 2 x placed in the interval before)
+            placed since the scrape < max(PROBE_BASE, seen x weight, 2 x recent)
+            recent = max(placed in the interval before, recent before it / 2)
 
-        the last term only while the engine showed nothing waiting (it ran all it was sent). `seen` (running +
-        waiting) doubles what long requests hold; the previous interval's placements double what short ones
-        pass, which are over before any scrape sees them (without it, a fast engine's ~3 requests in sight held
-        it to PROBE_BASE per interval, ~40 requests/s). A replica without metrics: UNSCRAPED_CONCURRENCY of this
+        `seen` (running + waiting) doubles what long requests hold; `recent` doubles what short ones pass, which
+        are over before any scrape sees them (without it, a fast engine's ~3 requests in sight held it to
+        PROBE_BASE per interval, ~40 requests/s). `recent` halves per interval rather than dropping to what one
+        interval placed, so an interval in which the engine's queue was full (the queue limit refused it) does
+        not restart the doubling from PROBE_BASE. The engine's own queue stays bounded by the queue limit. A replica without metrics: UNSCRAPED_CONCURRENCY of this
         sidecar's requests."""
         fixed = self.policy.max_concurrency_per_replica
         if fixed:
@@ -314,10 +316,7 @@ class Placer:
         if r.max_num_seqs:
             return seen + r.placed_since_scrape_requests >= max(1, int(r.max_num_seqs * w)) + \
                 self.policy.max_waiting_per_replica
-        allowance = max(PROBE_BASE, int(seen * w))
-        if e.waiting == 0:
-            allowance = max(allowance, 2 * r.placed_last_epoch_requests)
-        return r.placed_since_scrape_requests >= allowance
+        return r.placed_since_scrape_requests >= max(PROBE_BASE, int(seen * w), 2 * r.placed_last_epoch_requests)
 
     def _concurrency_bound(self, r: Replica) -> int:
         """Requests the replica may run: the explicit limit, else its engine's learned cap, else the default."""

@@ -70,7 +70,8 @@ class Replica:
     placed_since_scrape_prompt_tokens: int = 0
     placed_since_scrape_requests: int = 0
     placed_in_epoch_requests: int = 0   # placements since the scrape, finished ones included ...
-    placed_last_epoch_requests: int = 0  # ... and in the interval before it (the unknown-cap probe, placement.py)
+    placed_last_epoch_requests: int = 0  # ... and recently: the last interval's, or half the value before it if
+                                         # more (the unknown-cap probe, placement.py `_over_concurrency`)
     scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
@@ -129,7 +130,7 @@ class Replica:
         self.placed_since_scrape_tokens = 0
         self.placed_since_scrape_prompt_tokens = 0
         self.placed_since_scrape_requests = 0
-        self.placed_last_epoch_requests = self.placed_in_epoch_requests
+        self.placed_last_epoch_requests = max(self.placed_in_epoch_requests, self.placed_last_epoch_requests // 2)
         self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens
         if engine.kv_capacity_tokens:

@@ -156,7 +156,8 @@ def _fill_interval(p, r, at: float, finish: bool) -> int:
 
 def test_an_unknown_cap_lets_short_requests_double_per_interval_while_nothing_waits():
     """Short requests end before any scrape sees them (the engine shows ~2 running): the interval's placements,
-    finished ones included, double per scrape while the engine queues nothing, and stop doubling once it does."""
+    finished ones included, double per scrape; an interval in which the engine's queue was full halves the
+    allowance rather than restarting it."""
     p = placer(n=1, kv_capacity_tokens=10_000_000, prefill_tokens_per_s=1e9)
     r = p.pool.replicas[0]
     scrape(r, 1.0, running=2, waiting=0)
@@ -167,8 +168,10 @@ def test_an_unknown_cap_lets_short_requests_double_per_interval_while_nothing_wa
         scrape(r, 1.2 + 0.2 * i, running=2, waiting=0)
         allowed.append(_fill_interval(p, r, 1.2 + 0.2 * i, finish=False))
     assert allowed == [2 * PROBE_BASE, 4 * PROBE_BASE, 8 * PROBE_BASE, 16 * PROBE_BASE]
-    scrape(r, 2.2, running=2, waiting=1)  # the engine queues: back to what it shows (+ PROBE_BASE)
-    assert _fill_interval(p, r, 2.2, finish=False) == PROBE_BASE
+    scrape(r, 2.2, running=40, waiting=3)  # the engine queues past max_waiting: nothing more goes there
+    assert _fill_interval(p, r, 2.2, finish=False) == 0
+    scrape(r, 2.4, running=2, waiting=0)  # one full interval halves what it remembers, not restarts from 8
+    assert _fill_interval(p, r, 2.4, finish=False) == 16 * PROBE_BASE
 
 
 def test_a_replica_without_metrics_and_an_explicit_limit_count_own_requests():
