@@ -44,7 +44,7 @@ import h2.connection
 import h2.errors
 
 from bench.procstat import rss_bytes
-from bench.soak import git_commit, scrape, total, write_report
+from bench.soak import batches, git_commit, scrape, total, wait_until, write_report
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -58,15 +58,6 @@ def abort_policy() -> dict[str, Any]:
             "simulator": {"enabled": True, "preset": "tiny-cpu", "time_scale": 50.0},
             "gateway": {"envoy_log_level": "error"},
             "tenants": {"max_streams_per_tenant": 0}}
-
-
-def _poll(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval_s)
-    return True
 
 
 class Target:
@@ -90,14 +81,15 @@ class Target:
             seen = self.open_streams()
             return (at_least is None or seen >= at_least) and (at_most is None or seen <= at_most)
 
-        _poll(ok, timeout_s)
+        wait_until(ok, timeout_s, 0.05)
         return seen
 
     def probe(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """The sidecar's Python-level state (bench/sidecar_probe.py writes it on SIGUSR1)."""
         before = self.probe_out.stat().st_mtime_ns if self.probe_out.exists() else 0
         os.kill(self.sidecar_pid, signal.SIGUSR1)
-        if not _poll(lambda: self.probe_out.exists() and self.probe_out.stat().st_mtime_ns != before, timeout_s):
+        if not wait_until(lambda: self.probe_out.exists() and self.probe_out.stat().st_mtime_ns != before, timeout_s,
+                          0.05):
             raise TimeoutError("the sidecar wrote no probe snapshot")
         return json.loads(self.probe_out.read_text())
 
@@ -147,7 +139,7 @@ def http2_cancels(t: Target, n: int) -> float:
             held = t.open_streams()
             return held >= n
 
-        _poll(all_held, 15.0, 0.0)
+        wait_until(all_held, 15.0, 0.0)
         for sid in ids:
             conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
         s.sendall(conn.data_to_send())
@@ -160,9 +152,9 @@ def http2_cancels(t: Target, n: int) -> float:
 def one_round(t: Target, per_round: int, batch: int) -> dict[str, Any]:
     t0 = time.monotonic()
     held_h1, held_h2 = [], []
-    for size in _batches(per_round, batch):
+    for size in batches(per_round, batch):
         held_h1.append(http1_aborts(t, size))
-    for size in _batches(per_round, batch):
+    for size in batches(per_round, batch):
         held_h2.append(http2_cancels(t, size))
     left = t.wait_open_streams(at_most=0)
     state = t.probe()
@@ -170,10 +162,6 @@ def one_round(t: Target, per_round: int, batch: int) -> dict[str, Any]:
     return {"seconds": round(time.monotonic() - t0, 1), "sidecar_rss_mb": round(rss_bytes(t.sidecar_pid) / 2**20, 2),
             "open_streams_after": left, "min_held_http1": min(held_h1), "min_held_http2": min(held_h2),
             "gateway_state": gateways[0] if len(gateways) == 1 else gateways, **state}
-
-
-def _batches(total_n: int, size: int) -> list[int]:
-    return [min(size, total_n - i) for i in range(0, total_n, size)]
 
 
 def verdict(rounds: list[dict[str, Any]], warmup: int, max_mb_per_round: float,

@@ -31,10 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from bench.procstat import rss_bytes
-from bench.soak import git_commit, write_report
+from bench.soak import batches, git_commit, wait_until, write_report
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -66,12 +66,6 @@ def flood_policy(connections: int, headers_timeout_s: float) -> dict[str, Any]:
                         "request_headers_timeout_s": headers_timeout_s}}
 
 
-def _batches(total: int, size: int) -> Iterator[int]:
-    while total > 0:
-        yield min(size, total)
-        total -= size
-
-
 def open_silent(host: str, port: int, n: int, batch: int = 500, timeout_s: float = 30.0) -> list[socket.socket]:
     """`n` connected TCP sockets that send nothing. Non-blocking connects, `batch` at a time, each batch waited on
     with epoll until every socket is writable (connected) or the overall `timeout_s` passes; a connect that failed
@@ -80,7 +74,7 @@ def open_silent(host: str, port: int, n: int, batch: int = 500, timeout_s: float
     socks: list[socket.socket] = []
     ep = select.epoll()
     try:
-        for size in _batches(n, batch):
+        for size in batches(n, batch):
             pending: dict[int, socket.socket] = {}
             for _ in range(size):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -188,17 +182,9 @@ def settle_rss(pid: int, target_bytes: float, timeout_s: float,
     return last, round(time.monotonic() - t0, 2)
 
 
-def _poll(pred: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def flood(stack: Stack, connections: int, *, settle_s: float = 60.0,
-          poll: Callable[[Callable[[], bool], float], Any] = _poll, log: Callable[..., None] = print) -> dict[str, Any]:
+          poll: Callable[[Callable[[], bool], float], Any] = wait_until,
+          log: Callable[..., None] = print) -> dict[str, Any]:
     """Run the flood against a started `stack` (see the module docstring) and return what was measured."""
     gw = stack.policy.gateway
     envoy = stack.child("envoy").proc.pid

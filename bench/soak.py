@@ -32,7 +32,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -231,13 +231,19 @@ def write_report(path: Path | None, report: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
-def wait_until(pred, timeout: float) -> bool:
+def wait_until(pred: Callable[[], bool], timeout: float, interval_s: float = 0.2) -> bool:
+    """Poll `pred` every `interval_s` until it holds or `timeout` seconds have passed; its last answer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return True
-        time.sleep(0.2)
+        time.sleep(interval_s)
     return pred()
+
+
+def batches(total_n: int, size: int) -> list[int]:
+    """`total_n` split into batches of at most `size`."""
+    return [min(size, total_n - i) for i in range(0, total_n, size)]
 
 
 def run_soak(seconds: float, *, concurrency: int = 12, sample_s: float = 5.0, warmup_s: float | None = None,

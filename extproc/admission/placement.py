@@ -11,9 +11,9 @@ A replica fits a request when, with the request added, it stays within every lim
   queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
           the cap learned from the engine (seq_cap.py); unknown, at most double per scrape interval what the
-          engine showed or, while nothing waits there, what was placed in the interval before
-          (`_over_concurrency`, P12). An explicit max_concurrency_per_replica caps this sidecar's requests
-          plus the other sidecars' when they share through Redis
+          engine showed or what the replica recently took (`_over_concurrency`, P12). An explicit
+          max_concurrency_per_replica caps this sidecar's requests plus the other sidecars' when they share
+          through Redis
   prefill predicted prefill backlog + uncached prompt <= prefill rate x TTFT limit x weight (an idle replica always
           takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
           the client's time left (its own timeout header) when that is less: work the client will have
@@ -304,8 +304,8 @@ class Placer:
         are over before any scrape sees them (without it, a fast engine's ~3 requests in sight held it to
         PROBE_BASE per interval, ~40 requests/s). `recent` halves per interval rather than dropping to what one
         interval placed, so an interval in which the engine's queue was full (the queue limit refused it) does
-        not restart the doubling from PROBE_BASE. The engine's own queue stays bounded by the queue limit. A replica without metrics: UNSCRAPED_CONCURRENCY of this
-        sidecar's requests."""
+        not restart the doubling from PROBE_BASE. The engine's own queue stays bounded by the queue limit. A
+        replica without metrics: UNSCRAPED_CONCURRENCY of this sidecar's requests."""
         fixed = self.policy.max_concurrency_per_replica
         if fixed:
             return r.inflight_requests + r.shared_requests >= max(1, int(fixed * w))
@@ -530,6 +530,5 @@ class Placer:
             self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1
         if growth is not None:
-            growth = self._ledger(to).add(growth.end - req.expected_output_tokens / growth.per_s,
-                                          req.expected_output_tokens, 1.0 / growth.per_s)
+            growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s)
         return to.scrape_epoch, growth

@@ -154,7 +154,7 @@ def _fill_interval(p, r, at: float, finish: bool) -> int:
     return n
 
 
-def test_an_unknown_cap_lets_short_requests_double_per_interval_while_nothing_waits():
+def test_an_unknown_cap_lets_short_requests_double_per_interval():
     """Short requests end before any scrape sees them (the engine shows ~2 running): the interval's placements,
     finished ones included, double per scrape; an interval in which the engine's queue was full halves the
     allowance rather than restarting it."""
