@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,18 +41,43 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (for tests and benches that run several stacks)."""
-    socks, ports = [], []
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as an outbound connection's source port (Linux default 32768)."""
     try:
-        for _ in range(n):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (for tests and benches that run several stacks), chosen below the kernel's
+    ephemeral range: a port from bind(0) is an ephemeral one, which any outbound connection (Envoy to a replica, a
+    client) may take as its source port before the component given it binds (a sidecar failed to start so in a
+    CI run). Below that range only another listener can take it, and the bind here checks for that."""
+    low = _ephemeral_low()
+    first = max(1024, low - 12000)
+    candidates = list(range(first, low))
+    rng = random.Random()
+    rng.shuffle(candidates)
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for port in candidates:
+            if len(ports) == n:
+                break
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-            ports.append(s.getsockname()[1])
+            ports.append(port)
     finally:
         for s in socks:
             s.close()
+    if len(ports) < n:
+        raise RuntimeError(f"fewer than {n} free loopback ports in {first}-{low - 1}")
     return ports
 
 
