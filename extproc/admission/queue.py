@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 from extproc.request import LLMRequest
@@ -72,21 +73,29 @@ class FairQueue:
         return None
 
     def ahead_of(self, tenant: str, priority: int) -> int:
-        """About how many queued requests a new one of `tenant` would wait behind: every one of a higher
-        priority, and of its own priority what the fair share lets other tenants send first (per tenant, as many
-        weighted requests as this tenant has queued plus this one). A quiet tenant's request is not behind a
-        flooding tenant's whole backlog, and an early shed must not pretend it is."""
-        ahead = sum(sum(len(dq) for dq in self.levels[p].values()) for p in range(priority))
+        """About how many queued requests a new one of `tenant` would wait behind (`work_ahead`'s count)."""
+        return self.work_ahead(tenant, priority)[0]
+
+    def work_ahead(self, tenant: str, priority: int) -> tuple[int, int]:
+        """The queued requests a new one of `tenant` would wait behind, and their prompt tokens (the prefill
+        they will take before it): every one of a higher priority, and of its own priority what the fair share
+        lets other tenants send first (per tenant, as many weighted requests as this tenant has queued plus this
+        one, oldest first). A quiet tenant's request is not behind a flooding tenant's whole backlog, and an
+        early shed must not pretend it is."""
+        count = tokens = 0
+        for p in range(priority):
+            for dq in self.levels[p].values():
+                count += len(dq)
+                tokens += sum(w.req.prompt_tokens for w in dq)
         level = self.levels[priority]
         own = level.get(tenant)
         mine = (len(own) if own is not None else 0) + 1
         w_own = self.weights.get(tenant, 1.0)
         for t, dq in level.items():
-            if t == tenant:
-                ahead += len(dq)
-            else:
-                ahead += min(len(dq), int(mine * self.weights.get(t, 1.0) / w_own + 0.999))
-        return ahead
+            k = len(dq) if t == tenant else min(len(dq), int(mine * self.weights.get(t, 1.0) / w_own + 0.999))
+            count += k
+            tokens += sum(w.req.prompt_tokens for w in islice(dq, k))
+        return count, tokens
 
     def sizes_by_priority(self) -> list[int]:
         """Waiters per priority class, highest first."""

@@ -39,6 +39,7 @@ WAIT_SAFETY = 1.4
 # retry-after, so a client's retry lands soon after the pool is back instead of the request waiting out the
 # outage in the queue and reaching a recovered replica too late for its SLO (P6).
 POOL_DOWN_RETRY_S = 1.0
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.2, 60.0  # the retry-after a shed request is given, bounded
 
 
 class Shed(Exception):
@@ -162,14 +163,24 @@ class Scheduler:
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
-        expected = self._expected_wait(lane, now, queue.ahead_of(req.tenant, prio))
+        ahead, ahead_tokens = queue.work_ahead(req.tenant, prio)
+        short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
+        if short_s > 0:
+            # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
+            # room only shrinks while it waits: it would expire in the queue. Say so now (P1).
+            self.m.shed(lane, "wait_exceeds_deadline")
+            raise Shed(429, "queue_wait_exceeds_deadline",
+                       f"the replicas of {req.model} cannot start this request within the {pol.ttft_target_s:g}s "
+                       f"TTFT target behind the {ahead} queued ahead of it; retry later",
+                       retry_after_s=self._clamp_retry_after(short_s), should_retry=True)
+        expected = self._expected_wait(lane, now, ahead)
         if expected is not None and expected * WAIT_SAFETY > wait_budget:
             # Waiting cannot help: say so now (P1: shed early, in milliseconds, not after a futile wait).
             self.m.shed(lane, "wait_exceeds_deadline")
             too_long = req.client_timeout_s is not None and expected > req.client_timeout_s
             raise Shed(429, "queue_wait_exceeds_deadline",
                        f"about {expected:.1f}s of queue ahead on {req.model}, more than this request may wait "
-                       f"({wait_budget:.1f}s); retry later", retry_after_s=min(60.0, expected),
+                       f"({wait_budget:.1f}s); retry later", retry_after_s=self._clamp_retry_after(expected),
                        should_retry=not too_long)
         if len(queue) >= pol.lanes[lane].max_queue:
             victim = queue.lowest_priority_newest(below=prio)
@@ -211,6 +222,39 @@ class Scheduler:
         if left is not None:
             budget = min(budget, 0.9 * left - prefill - self.placer.answer_decode_s(req))
         return budget
+
+    def _prefill_room_short_s(self, req: LLMRequest, now: float, wait_budget: float, ahead: int,
+                              ahead_tokens: int) -> float:
+        """How many seconds of prefill the fullest-placed replicas are short of starting this request within the
+        TTFT target, once the `ahead` queued requests (`ahead_tokens` prompt tokens) are placed; <= 0: it may.
+
+        A queued request fits replica r when backlog_r(t) + prompt <= rate x (target - waited) x w_r. The backlog
+        drains at `rate` exactly as fast as the wait grows, and each placement on r adds to it, so the room
+        room_r = rate x target x w_r - backlog_r only shrinks while the request waits; what it has on arrival is
+        all it will get before its wait budget ends (then it is shed with 429 queue_timeout, after a futile wait).
+        The requests ahead are placed first, each on the replica with the most room (the scorer's lowest predicted
+        TTFT) while it fits; the request may wait only if some replica still has room for its prompt afterwards:
+            short = prompt - max_r room_r (after the ahead ones), in seconds of prefill at `rate`
+        This holds while the wait budget ends before the TTFT limit's floor (own prefill + REFILL_S) takes over,
+        i.e. budget <= target - prefill - REFILL_S, which the default budget is (the floor would let a long prompt
+        in behind REFILL_S of backlog later; an explicit max_wait_s may reach it too): otherwise 0."""
+        placer = self.placer
+        rate = placer.rate
+        target = self.policy.ttft_target_s
+        prompt = float(req.prompt_tokens)
+        if wait_budget > target - prompt / rate - REFILL_S + 1e-9:
+            return 0.0
+        rooms = [rate * target * placer.weight(r, now) - placer.backlog(r, now)
+                 for r in self.pool.replicas if placer.usable(r, now)]
+        if not rooms:
+            return 0.0  # nothing routable: the pool-down path answers
+        each = ahead_tokens / ahead if ahead else 0.0
+        for _ in range(ahead):
+            i = max(range(len(rooms)), key=rooms.__getitem__)
+            if rooms[i] < each:
+                break  # the rest of the queue ahead cannot start in time either: it expires, taking no room
+            rooms[i] -= each
+        return (prompt - max(rooms)) / rate
 
     def drain_rate(self, lane: int, now: float) -> float:
         """How fast the lane's queue drains: the measured release rate over the last seconds (extrapolating from
@@ -330,7 +374,11 @@ class Scheduler:
         ahead = len(self.queues[lane]) + 1
         if rate <= 0:
             return 1.0
-        return min(60.0, max(0.2, ahead / rate))
+        return self._clamp_retry_after(ahead / rate)
+
+    @staticmethod
+    def _clamp_retry_after(seconds: float) -> float:
+        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, seconds))
 
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
