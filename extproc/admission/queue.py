@@ -40,6 +40,7 @@ class FairQueue:
         self.vtime: dict[str, float] = {}
         self.clock = 0.0
         self.size = 0
+        self.prompt_tokens = 0  # of every waiter
 
     def __len__(self) -> int:
         return self.size
@@ -56,6 +57,7 @@ class FairQueue:
                 self.vtime[w.tenant] = self.clock
         dq.append(w)
         self.size += 1
+        self.prompt_tokens += w.req.prompt_tokens
 
     def peek(self, skip: set[str] | None = None) -> Waiter | None:
         """The next request to dispatch: highest priority first, then the lowest virtual counter. Tenants in
@@ -130,6 +132,7 @@ class FairQueue:
         if not dq:
             del level[w.tenant]
         self.size -= 1
+        self.prompt_tokens -= w.req.prompt_tokens
 
     def lowest_priority_newest(self, below: int) -> Waiter | None:
         """The waiter to evict when the queue is full and a more important request arrives."""

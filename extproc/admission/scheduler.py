@@ -25,7 +25,7 @@ from extproc.admission import metrics as am
 from extproc.admission.decode_time import DecodeTime
 from extproc.admission.kv_growth import Growth
 from extproc.admission.placement import REFILL_S, TENANT, Placer
-from extproc.admission.policy import AdmissionPolicy
+from extproc.admission.policy import AdmissionPolicy, LanePolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, Waiter
 from extproc.admission.seq_cap import SeqCap
@@ -42,6 +42,7 @@ WAIT_SAFETY = 1.4
 # outage in the queue and reaching a recovered replica too late for its SLO (P6).
 POOL_DOWN_RETRY_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.2, 60.0  # the retry-after a shed request is given, bounded
+BUSY_MIN_RELEASES, BUSY_MIN_S = 4, 0.5  # releases and seconds of a saturated lane before its pace is trusted
 
 
 class Shed(Exception):
@@ -68,7 +69,7 @@ class Placement:
 
 
 class DrainRate:
-    """Dispatches per second over the last few seconds, for retry-after and early shedding. A window of
+    """Releases per second over the last few seconds, for retry-after and early shedding. A window of
     timestamps (bounded), not an EWMA: right after a quiet period an EWMA starting from zero would
     underestimate the rate and shed requests that would have been served in time."""
 
@@ -92,6 +93,33 @@ class DrainRate:
         return (len(times) - 1) / span
 
 
+class BusyPace:
+    """Releases per second while the lane had waiters: the pool's pace when it is the bottleneck. Each release is
+    kept with the start of the busy period it fell in, and the rate is counted from the start of the oldest such
+    period still in the window, so a busy period's first releases are not timed from the first of them (the
+    requests placed together at a flood's start end together) and idle gaps between periods only lower it.
+    Fewer than BUSY_MIN_RELEASES releases or BUSY_MIN_S seconds say nothing (0)."""
+
+    __slots__ = ("events", "window_s")
+
+    def __init__(self, window_s: float = 5.0, max_events: int = 4096) -> None:
+        self.events: deque[tuple[float, float]] = deque(maxlen=max_events)  # (released at, busy since)
+        self.window_s = window_s
+
+    def tick(self, now: float, busy_since: float) -> None:
+        self.events.append((now, busy_since))
+
+    def current(self, now: float) -> float:
+        events = self.events
+        horizon = now - self.window_s
+        while events and events[0][0] < horizon:
+            events.popleft()
+        if len(events) < BUSY_MIN_RELEASES:
+            return 0.0
+        span = now - max(horizon, events[0][1])
+        return len(events) / span if span >= BUSY_MIN_S else 0.0
+
+
 class Scheduler:
     """One per pool."""
 
@@ -103,7 +131,12 @@ class Scheduler:
         self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights) for _ in range(n)]
         self.lane_requests = [0] * n
         self.lane_tokens = [0] * n
-        self.drain = [DrainRate() for _ in range(n)]  # releases per second, per lane
+        # The pace each lane's queue drains at, measured per meter: the lanes that share the whole pool (no
+        # replica share, no dedicated replicas, no lane limit) share meter n, each other lane has its own.
+        self.meter = [n if self._shares_pool(lane) else i for i, lane in enumerate(policy.lanes)]
+        self.drain = [DrainRate() for _ in range(n + 1)]  # releases per second, per meter
+        self.busy_pace = [BusyPace() for _ in range(n + 1)]  # releases while its lanes had waiters (drain_rate)
+        self.busy_since = [0.0] * (n + 1)  # when its lanes' queues last went from empty to waiting
         self.service_s = [0.0] * n  # EWMA of dispatch-to-release time, per lane
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
@@ -113,6 +146,30 @@ class Scheduler:
         self.calibration = TokenCalibration(policy.calibrate_prompt_tokens)
         self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
         self.m.estimate_factor(self.calibration.factor)
+
+    @staticmethod
+    def _shares_pool(lane: LanePolicy) -> bool:
+        """The lane's requests may take any replica, limited only by the replicas: its queue drains at the
+        pool's pace, after the queues of the lanes before it (`kick` serves lanes in order)."""
+        return lane.max_replica_share >= 1 and not lane.replicas and not lane.max_concurrency \
+            and not lane.max_inflight_tokens
+
+    def _metered_waiting(self, lane: int) -> int:
+        """Requests waiting in the lanes that share `lane`'s meter."""
+        m = self.meter[lane]
+        return sum(q.size for i, q in enumerate(self.queues) if self.meter[i] == m)
+
+    def _ahead_in_lanes_before(self, lane: int) -> tuple[int, int]:
+        """Waiters (and their prompt tokens) that `kick` dispatches before any of `lane`'s: every one in an
+        earlier lane sharing the pool with it."""
+        if self.meter[lane] != len(self.queues):
+            return 0, 0
+        count = tokens = 0
+        for i in range(lane):
+            if self.meter[i] == self.meter[lane]:
+                count += self.queues[i].size
+                tokens += self.queues[i].prompt_tokens
+        return count, tokens
 
     def on_scrape(self, now: float) -> None:
         """After a scrape round: the placer's prefill speed, decode time per token, engines' sequence caps and
@@ -166,6 +223,8 @@ class Scheduler:
                 self.m.admitted(lane, queued=False)
                 return placed
         ahead, ahead_tokens = queue.work_ahead(req.tenant, prio)
+        before, before_tokens = self._ahead_in_lanes_before(lane)
+        ahead, ahead_tokens = ahead + before, ahead_tokens + before_tokens
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
@@ -196,6 +255,8 @@ class Scheduler:
                                                        "displaced by higher-priority traffic"))
         waiter = Waiter(req=req, lane=lane, priority=prio, tenant=req.tenant, deadline=now + wait_budget,
                         enqueued=now, future=asyncio.get_running_loop().create_future())
+        if not self._metered_waiting(lane):
+            self.busy_since[self.meter[lane]] = now
         queue.push(waiter)
         self.m.queued(lane, prio, +1)
         # The fair order may put it first, or pass over a tenant held at its prefill share (a quiet tenant behind
@@ -261,8 +322,15 @@ class Scheduler:
     def drain_rate(self, lane: int, now: float) -> float:
         """How fast the lane's queue drains: the measured release rate over the last seconds (extrapolating from
         requests in flight / service time promised waits that did not happen under a burst, measured in P1);
-        before any release is seen, requests in flight / mean service time."""
-        rate = self.drain[lane].current(now)
+        before any release is seen, requests in flight / mean service time.
+
+        A release rate is what the pool served, not what it can serve: over a window that began before a flood
+        (P1f) or a burst (P1) it counts the quiet seconds' arrivals, and underestimated the pool's pace for the
+        window's length (5 s), shedding a quiet tenant's requests the fair queue would have started at once. So
+        the releases seen while the lane had waiters (the pool saturated) count on their own as well, from
+        BUSY_MIN_RELEASES of them and BUSY_MIN_S on (`BusyPace`): rate = max(all releases' rate, busy pace)."""
+        m = self.meter[lane]
+        rate = max(self.drain[m].current(now), self.busy_pace[m].current(now))
         if rate <= 0 and self.service_s[lane] > 0 and self.lane_requests[lane]:
             rate = self.lane_requests[lane] / self.service_s[lane]
         return rate
@@ -388,7 +456,10 @@ class Scheduler:
         placement.growth = None
         now = time.monotonic()
         lane = placement.lane
-        self.drain[lane].tick(now)
+        m = self.meter[lane]
+        self.drain[m].tick(now)
+        if self._metered_waiting(lane):
+            self.busy_pace[m].tick(now, self.busy_since[m])
         if placement.at:
             took = now - placement.at
             self.service_s[lane] = took if not self.service_s[lane] else 0.9 * self.service_s[lane] + 0.1 * took

@@ -248,7 +248,7 @@ async def test_a_request_that_cannot_start_within_the_slo_is_shed_at_once_with_r
     first = s.submit(req(prompt=100, out=10), 0.0)
     assert isinstance(first, Placement)
     for t in (0.1, 0.2, 0.3, 0.4):  # one release every 0.1 s... then one request in flight takes 1 s
-        s.drain[0].tick(t)
+        s.drain[s.meter[0]].tick(t)
     waiting = [s.submit(req(prompt=100, out=10), 0.4) for _ in range(3)]
     assert all(isinstance(w, Waiter) for w in waiting)
     with pytest.raises(Shed) as exc:

@@ -5,7 +5,7 @@ import pytest
 
 from extproc.admission.placement import Placer
 from extproc.admission.queue import Waiter
-from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.admission.scheduler import BusyPace, Placement, Scheduler, Shed
 from extproc.config import PoolConfig, parse_section
 from extproc.request import LLMRequest
 from extproc.routing.pool import Pool
@@ -83,3 +83,47 @@ async def test_an_explicit_wait_beyond_the_prefill_floor_is_not_judged_by_the_ro
     for _ in range(3):
         s.submit(req(), 0.0)
     assert isinstance(s.submit(req(), 0.0), Waiter)
+
+
+# ---- the drain rate after a quiet spell (P1f: a flood starts) ----------------------------------------------------
+
+async def test_the_drain_rate_follows_the_saturated_pace_not_the_quiet_seconds_before():
+    s = scheduler(max_concurrency_per_replica=1, max_wait_s=5.0)
+    lane = 1
+    m = s.meter[lane]
+    for i in range(25):  # a quiet tenant alone: 5 releases/s for 5 s, nobody waiting
+        s.drain[m].tick(i * 0.2)
+    s.submit(req(prompt=2_000), 5.0)  # the flood starts: the replica is taken, requests queue
+    s.submit(req(prompt=2_000), 5.0)
+    assert s.drain_rate(lane, 5.0) == pytest.approx(24 / 5.0)
+    for i in range(1, 16):  # while they wait, the pool releases 30/s
+        s.drain[m].tick(5.0 + i / 30)
+        s.busy_pace[m].tick(5.0 + i / 30, s.busy_since[m])
+    # the window's release rate still counts the quiet seconds; the busy pace is 15 in 0.5 s
+    assert s.drain[m].current(5.5) < 10
+    assert s.drain_rate(lane, 5.5) == pytest.approx(30.0)
+
+
+def test_a_clump_of_releases_at_a_busy_periods_start_is_timed_from_its_start():
+    pace = BusyPace()
+    for i in range(12):  # requests placed together when the queue formed at t=1.2 end together at t=1.5
+        pace.tick(1.5 + i * 1e-3, 1.2)
+    assert pace.current(1.6) == 0.0  # 0.4 s of busy time: less than BUSY_MIN_S says nothing yet
+    assert pace.current(1.8) == pytest.approx(12 / 0.6)  # 12 in the 0.6 s since the queue formed, not in 11 ms
+    pace.tick(9.0, 8.0)
+    assert pace.current(9.0) == 0.0  # the first period left the window: one release says nothing
+
+
+async def test_lanes_sharing_the_pool_share_one_drain_rate_and_count_the_earlier_lanes_queue_ahead():
+    """The default short and normal lanes take any replica: a request's lane may change with the learned prefill
+    speed (1,000 tokens sit at the short/normal edge at 20,000 tokens/s of a 0.5 s target), and `kick` serves the
+    short queue first. Their releases are one pace, and a normal request waits behind the short queue."""
+    s = scheduler(max_concurrency_per_replica=1)
+    assert s.meter[0] == s.meter[1] != s.meter[2]  # short, normal: the pool's; long (half the replicas): its own
+    assert isinstance(s.submit(req(prompt=5_000), 0.0), Placement)  # normal lane: 0.5 s of backlog
+    for _ in range(4):  # short prompts (0.1 s of the 1 s target) queue: 4 x 1,000 of the 5,000 tokens of room
+        assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)
+    assert s._ahead_in_lanes_before(1) == (4, 4_000)
+    with pytest.raises(Shed):  # a normal 2,000-token prompt has 1,000 tokens of room left behind them
+        s.submit(req(prompt=2_000), 0.0)
+    assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)  # the short lane's fifth still fits
