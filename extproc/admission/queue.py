@@ -33,12 +33,24 @@ class Waiter:
 MAX_TRACKED_TENANTS = 10_000  # virtual counters kept for idle tenants; beyond it idle ones are forgotten
 
 
-class FairQueue:
-    def __init__(self, n_priorities: int, tenant_weights: dict[str, float]) -> None:
-        self.levels: list[dict[str, deque[Waiter]]] = [{} for _ in range(n_priorities)]
-        self.weights = tenant_weights
+class VirtualClock:
+    """The tenants' virtual token counters and the virtual clock. Queues that share one (the lanes that share the
+    pool, served in one fair order by the scheduler's `kick`) charge a tenant's dispatches in any of them to the
+    same counter."""
+
+    __slots__ = ("vtime", "clock")
+
+    def __init__(self) -> None:
         self.vtime: dict[str, float] = {}
         self.clock = 0.0
+
+
+class FairQueue:
+    def __init__(self, n_priorities: int, tenant_weights: dict[str, float],
+                 virtual: VirtualClock | None = None) -> None:
+        self.levels: list[dict[str, deque[Waiter]]] = [{} for _ in range(n_priorities)]
+        self.weights = tenant_weights
+        self.virtual = virtual if virtual is not None else VirtualClock()
         self.size = 0
         self.prompt_tokens = 0  # of every waiter
 
@@ -51,10 +63,11 @@ class FairQueue:
         if dq is None:
             dq = level[w.tenant] = deque()
             # a tenant (re)entering the backlog starts at the virtual clock: no credit for idling
-            if self.vtime.get(w.tenant, 0.0) < self.clock:
-                if len(self.vtime) >= MAX_TRACKED_TENANTS:
+            v = self.virtual
+            if v.vtime.get(w.tenant, 0.0) < v.clock:
+                if len(v.vtime) >= MAX_TRACKED_TENANTS:
                     self._forget_idle()
-                self.vtime[w.tenant] = self.clock
+                v.vtime[w.tenant] = v.clock
         dq.append(w)
         self.size += 1
         self.prompt_tokens += w.req.prompt_tokens
@@ -62,7 +75,7 @@ class FairQueue:
     def peek(self, skip: set[str] | None = None) -> Waiter | None:
         """The next request to dispatch: highest priority first, then the lowest virtual counter. Tenants in
         `skip` (held at their prefill share) are passed over, so the next tenant in fair order may go."""
-        vt = self.vtime
+        vt = self.virtual.vtime
         for level in self.levels:
             if not level:
                 continue
@@ -99,6 +112,12 @@ class FairQueue:
             tokens += sum(w.req.prompt_tokens for w in islice(dq, k))
         return count, tokens
 
+    def lag(self, tenant: str) -> float:
+        """How far the tenant's virtual counter is ahead of the clock (0 for a tenant that just (re)entered): what
+        orders the next requests of several lanes' queues (sharing one VirtualClock) by fair share."""
+        v = self.virtual
+        return max(0.0, v.vtime.get(tenant, v.clock) - v.clock)
+
     def sizes_by_priority(self) -> list[int]:
         """Waiters per priority class, highest first."""
         return [sum(len(dq) for dq in level.values()) for level in self.levels]
@@ -110,9 +129,10 @@ class FairQueue:
         """Remove the peeked waiter as dispatched and charge its tenant."""
         self._remove(w)
         charge = w.req.total_tokens / self.weights.get(w.tenant, 1.0)
-        self.vtime[w.tenant] = self.vtime.get(w.tenant, self.clock) + charge
-        if self.vtime[w.tenant] - charge > self.clock:
-            self.clock = self.vtime[w.tenant] - charge
+        v = self.virtual
+        v.vtime[w.tenant] = v.vtime.get(w.tenant, v.clock) + charge
+        if v.vtime[w.tenant] - charge > v.clock:
+            v.clock = v.vtime[w.tenant] - charge
 
     def remove(self, w: Waiter) -> bool:
         """Drop a waiter that left (client gone, deadline). False if it was not queued."""
@@ -145,4 +165,4 @@ class FairQueue:
 
     def _forget_idle(self) -> None:
         backlogged = {t for level in self.levels for t in level}
-        self.vtime = {t: v for t, v in self.vtime.items() if t in backlogged}
+        self.virtual.vtime = {t: v for t, v in self.virtual.vtime.items() if t in backlogged}

@@ -27,7 +27,7 @@ from extproc.admission.kv_growth import Growth
 from extproc.admission.placement import REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy, LanePolicy
 from extproc.admission.prefill_rate import PrefillRate
-from extproc.admission.queue import FairQueue, Waiter
+from extproc.admission.queue import FairQueue, VirtualClock, Waiter
 from extproc.admission.seq_cap import SeqCap
 from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
@@ -128,12 +128,15 @@ class Scheduler:
         self.policy = policy
         self.placer = placer
         n = len(policy.lanes)
-        self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights) for _ in range(n)]
+        # The pace each lane's queue drains at is measured per meter: the lanes that share the whole pool (no
+        # replica share, no dedicated replicas, no lane limit) share meter n, and one virtual clock (kick serves
+        # them in one fair order); each other lane has its own.
+        self.meter = [n if self._shares_pool(lane) else i for i, lane in enumerate(policy.lanes)]
+        pooled = VirtualClock()
+        self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights, pooled if self.meter[i] == n else None)
+                       for i in range(n)]
         self.lane_requests = [0] * n
         self.lane_tokens = [0] * n
-        # The pace each lane's queue drains at, measured per meter: the lanes that share the whole pool (no
-        # replica share, no dedicated replicas, no lane limit) share meter n, each other lane has its own.
-        self.meter = [n if self._shares_pool(lane) else i for i, lane in enumerate(policy.lanes)]
         self.drain = [DrainRate() for _ in range(n + 1)]  # releases per second, per meter
         self.busy_pace = [BusyPace() for _ in range(n + 1)]  # releases while its lanes had waiters (drain_rate)
         self.busy_since = [0.0] * (n + 1)  # when its lanes' queues last went from empty to waiting
@@ -159,17 +162,25 @@ class Scheduler:
         m = self.meter[lane]
         return sum(q.size for i, q in enumerate(self.queues) if self.meter[i] == m)
 
-    def _ahead_in_lanes_before(self, lane: int) -> tuple[int, int]:
-        """Waiters (and their prompt tokens) that `kick` dispatches before any of `lane`'s: every one in an
-        earlier lane sharing the pool with it."""
-        if self.meter[lane] != len(self.queues):
+    def _ahead_in_other_lanes(self, lane: int, tenant: str, priority: int) -> tuple[int, int]:
+        """Waiters (and their prompt tokens) of the other lanes sharing the pool with `lane` that `kick`'s one fair
+        order across them puts ahead of a new request of `tenant` (`FairQueue.work_ahead` in each)."""
+        n = len(self.queues)
+        if self.meter[lane] != n:
             return 0, 0
         count = tokens = 0
-        for i in range(lane):
-            if self.meter[i] == self.meter[lane]:
-                count += self.queues[i].size
-                tokens += self.queues[i].prompt_tokens
+        for i, queue in enumerate(self.queues):
+            if i != lane and self.meter[i] == n and queue.size:
+                c, t = queue.work_ahead(tenant, priority)
+                count, tokens = count + c, tokens + t
         return count, tokens
+
+    def _waiting_at_or_above(self, lane: int, priority: int) -> bool:
+        """Something of this priority or higher waits where a new request of `lane` would queue behind it (its
+        lane, and the other lanes sharing the pool with it): it may not be placed before them."""
+        m = self.meter[lane]
+        return any(q.has_waiting_at_or_above(priority) for i, q in enumerate(self.queues)
+                   if i == lane or (m == len(self.queues) and self.meter[i] == m))
 
     def on_scrape(self, now: float) -> None:
         """After a scrape round: the placer's prefill speed, decode time per token, engines' sequence caps and
@@ -217,13 +228,13 @@ class Scheduler:
         prio = self.prio_index.get(req.priority, 0)
         queue = self.queues[lane]
         self.placer.note_tenant(req.tenant, now, req.prompt_tokens)
-        if not queue.has_waiting_at_or_above(prio):
+        if not self._waiting_at_or_above(lane, prio):
             placed = self._try_place(req, lane, now)
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
         ahead, ahead_tokens = queue.work_ahead(req.tenant, prio)
-        before, before_tokens = self._ahead_in_lanes_before(lane)
+        before, before_tokens = self._ahead_in_other_lanes(lane, req.tenant, prio)
         ahead, ahead_tokens = ahead + before, ahead_tokens + before_tokens
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
@@ -262,6 +273,8 @@ class Scheduler:
         # The fair order may put it first, or pass over a tenant held at its prefill share (a quiet tenant behind
         # a flood's held backlog): try now, not at the next timer tick (P1f).
         self.kick(now)
+        if waiter.future.done() and waiter.future.exception() is None:
+            return waiter.future.result()  # dispatched by that kick: no need to hold the request
         self._arm_timer()
         return waiter
 
@@ -368,31 +381,59 @@ class Scheduler:
 
     # ---- dispatch from the queues ---------------------------------------------------------------------
     def kick(self, now: float | None = None) -> int:
-        """Dispatch every queued request that fits now, lane by lane. Returns how many were dispatched."""
+        """Dispatch every queued request that fits now: the lanes that share the pool together, in one fair
+        order across them (`_kick_lanes`), then each other lane. Returns how many were dispatched."""
         now = time.monotonic() if now is None else now
+        n = len(self.queues)
+        dispatched = self._kick_lanes([lane for lane in range(n) if self.meter[lane] == n], now)
+        for lane in range(n):
+            if self.meter[lane] != n:
+                dispatched += self._kick_lanes([lane], now)
+        return dispatched
+
+    def _kick_lanes(self, lanes: list[int], now: float) -> int:
+        """Dispatch from `lanes` while their next requests fit. The next one is, of each lane's next in fair
+        order, the one of the highest priority, then of the tenant least ahead of its lane's virtual clock
+        (`FairQueue.lag`), then the oldest: a request's lane can change with the learned prefill speed (1,000
+        tokens at the short/normal edge), and serving the lanes one after the other put a quiet tenant's request
+        behind every flood request of the lane before it (P1f), or let later arrivals of that lane take the prefill
+        room an earlier waiter was admitted for (P1: it expired). A lane whose next request does not fit is done
+        for this kick (the pool is full for it); a tenant held at its prefill share is passed over in its lane."""
+        held: dict[int, set[str]] = {}  # per lane, tenants at their prefill share: the next tenant may go
+        open_lanes = [lane for lane in lanes if self.queues[lane].size]
         dispatched = 0
-        for lane, queue in enumerate(self.queues):
-            held: set[str] | None = None  # tenants at their prefill share: the next tenant in fair order may go
-            while queue.size:
-                w = queue.peek(held)
-                if w is None:
-                    break
-                if w.future.done():  # cancelled or expired but not yet removed
+        while open_lanes:
+            best: tuple[int, float, float] | None = None
+            pick: tuple[int, Waiter] | None = None
+            for lane in list(open_lanes):
+                queue = self.queues[lane]
+                w = queue.peek(held.get(lane))
+                while w is not None and w.future.done():  # cancelled or expired but not yet removed
                     queue.remove(w)
                     self.m.queued(lane, w.priority, -1)
+                    w = queue.peek(held.get(lane))
+                if w is None:
+                    open_lanes.remove(lane)
                     continue
-                placed = self._try_place(w.req, lane, now, now - w.enqueued)
-                if placed is None:
-                    if not self.placer.last_reasons.get(TENANT):
-                        break  # the pool is full: nothing else fits either
-                    held = held or set()
-                    held.add(w.tenant)
-                    continue
-                queue.pop(w)
-                self.m.queued(lane, w.priority, -1)
-                self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
-                w.future.set_result(placed)
-                dispatched += 1
+                key = (w.priority, queue.lag(w.tenant), w.enqueued)
+                if best is None or key < best:
+                    best, pick = key, (lane, w)
+            if pick is None:
+                break
+            lane, w = pick
+            placed = self._try_place(w.req, lane, now, now - w.enqueued)
+            if placed is None:
+                if self.placer.last_reasons.get(TENANT):
+                    held.setdefault(lane, set()).add(w.tenant)
+                else:
+                    open_lanes.remove(lane)  # the pool is full for this lane: nothing else of it fits either
+                continue
+            queue = self.queues[lane]
+            queue.pop(w)
+            self.m.queued(lane, w.priority, -1)
+            self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
+            w.future.set_result(placed)
+            dispatched += 1
         return dispatched
 
     def _arm_timer(self) -> None:

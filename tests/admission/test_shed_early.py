@@ -1,6 +1,8 @@
 """Shedding at once what the queue could not start within the SLO (P1: a refused request learns it in
 milliseconds, not after waiting out its wait budget)."""
 
+import time
+
 import pytest
 
 from extproc.admission.placement import Placer
@@ -114,16 +116,39 @@ def test_a_clump_of_releases_at_a_busy_periods_start_is_timed_from_its_start():
     assert pace.current(9.0) == 0.0  # the first period left the window: one release says nothing
 
 
-async def test_lanes_sharing_the_pool_share_one_drain_rate_and_count_the_earlier_lanes_queue_ahead():
+async def test_lanes_sharing_the_pool_share_one_drain_rate_and_count_each_others_queues_ahead():
     """The default short and normal lanes take any replica: a request's lane may change with the learned prefill
-    speed (1,000 tokens sit at the short/normal edge at 20,000 tokens/s of a 0.5 s target), and `kick` serves the
-    short queue first. Their releases are one pace, and a normal request waits behind the short queue."""
+    speed (1,000 tokens sit at the short/normal edge at 20,000 tokens/s of a 0.5 s target). Their releases are one
+    pace, and `kick` serves their queues in one fair order: a normal request waits behind the short queue's."""
     s = scheduler(max_concurrency_per_replica=1)
     assert s.meter[0] == s.meter[1] != s.meter[2]  # short, normal: the pool's; long (half the replicas): its own
     assert isinstance(s.submit(req(prompt=5_000), 0.0), Placement)  # normal lane: 0.5 s of backlog
     for _ in range(4):  # short prompts (0.1 s of the 1 s target) queue: 4 x 1,000 of the 5,000 tokens of room
         assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)
-    assert s._ahead_in_lanes_before(1) == (4, 4_000)
+    assert s._ahead_in_other_lanes(1, "t", 0) == (4, 4_000)
     with pytest.raises(Shed):  # a normal 2,000-token prompt has 1,000 tokens of room left behind them
         s.submit(req(prompt=2_000), 0.0)
     assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)  # the short lane's fifth still fits
+
+
+async def test_one_fair_order_across_the_lanes_sharing_the_pool():
+    """P1f: the same 1,000-token requests fall in the short or the normal lane as the learned prefill speed moves.
+    A quiet tenant's request in one lane goes before the flood's queued requests in the other, and among equals the
+    oldest goes first (a later arrival of the other lane does not take the room an earlier waiter was admitted for).
+    """
+    # room: 100,000 tokens; the flood's backlog share off (it would hold the flood's next prompt: not tested here)
+    s = scheduler(max_concurrency_per_replica=1, prefill_tokens_per_s=100_000, tenant_backlog_share=1.0)
+    t0 = time.monotonic()  # release() reads the clock
+    a = s.submit(req(prompt=10_000, tenant="flood"), t0)  # short lane (0.1 s of the 1 s target)
+    assert isinstance(a, Placement)
+    b, c, d = (s.submit(req(prompt=10_000, tenant="flood"), t0) for _ in range(3))
+    s.release(a, req(prompt=10_000, tenant="flood"))
+    assert isinstance(b.future.result(), Placement)  # dispatched from the queue: the flood's counter advanced
+    quiet = s.submit(req(prompt=20_000, tenant="quiet"), time.monotonic())  # normal lane
+    assert isinstance(quiet, Waiter) and quiet.lane == 1 and c.lane == 0
+    s.release(b.future.result(), req(prompt=10_000, tenant="flood"))
+    assert quiet.future.done() and not c.future.done()  # not behind the flood's short queue
+    late = s.submit(req(prompt=10_000, tenant="quiet"), time.monotonic())  # short lane, after c and d
+    assert isinstance(late, Waiter)
+    s.release(quiet.future.result(), req(prompt=20_000, tenant="quiet"))
+    assert c.future.done() and not d.future.done() and not late.future.done()
