@@ -4,7 +4,9 @@ Fairness is a virtual token counter per tenant (start-time fair queueing over to
 for LLM serving): when a request is dispatched its tenant's counter advances by the request's tokens divided by
 the tenant's weight, and the next request comes from the backlogged tenant with the lowest counter. A tenant
 that floods at 10x its share only advances its own counter faster; a quiet tenant's next request goes first.
-A tenant that was idle re-enters at the current virtual clock, so idling earns no credit.
+A tenant that was idle re-enters at the current virtual clock, so idling earns no credit. The queues of the lanes
+that share the pool share one `VirtualClock`, so a tenant's dispatches in any of them count against it, and the
+scheduler orders their next requests by `lag` (scheduler.py `Scheduler._kick_lanes`).
 """
 
 from __future__ import annotations
