@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
+from heapq import merge
 
 from extproc.request import LLMRequest
 
@@ -94,25 +94,8 @@ class FairQueue:
         return self.work_ahead(tenant, priority)[0]
 
     def work_ahead(self, tenant: str, priority: int) -> tuple[int, int]:
-        """The queued requests a new one of `tenant` would wait behind, and their prompt tokens (the prefill
-        they will take before it): every one of a higher priority, and of its own priority what the fair share
-        lets other tenants send first (per tenant, as many weighted requests as this tenant has queued plus this
-        one, oldest first). A quiet tenant's request is not behind a flooding tenant's whole backlog, and an
-        early shed must not pretend it is."""
-        count = tokens = 0
-        for p in range(priority):
-            for dq in self.levels[p].values():
-                count += len(dq)
-                tokens += sum(w.req.prompt_tokens for w in dq)
-        level = self.levels[priority]
-        own = level.get(tenant)
-        mine = (len(own) if own is not None else 0) + 1
-        w_own = self.weights.get(tenant, 1.0)
-        for t, dq in level.items():
-            k = len(dq) if t == tenant else min(len(dq), int(mine * self.weights.get(t, 1.0) / w_own + 0.999))
-            count += k
-            tokens += sum(w.req.prompt_tokens for w in islice(dq, k))
-        return count, tokens
+        """The queued requests a new one of `tenant` would wait behind, and their prompt tokens (`work_ahead`)."""
+        return work_ahead([self], tenant, priority)
 
     def lag(self, tenant: str) -> float:
         """How far the tenant's virtual counter is ahead of the clock (0 for a tenant that just (re)entered): what
@@ -168,3 +151,46 @@ class FairQueue:
     def _forget_idle(self) -> None:
         backlogged = {t for level in self.levels for t in level}
         self.virtual.vtime = {t: v for t, v in self.virtual.vtime.items() if t in backlogged}
+
+
+def work_ahead(queues: list[FairQueue], tenant: str, priority: int) -> tuple[int, int]:
+    """The requests queued in `queues` (one queue, or the lanes sharing one VirtualClock and served in one fair
+    order) that a new one of `tenant` would wait behind, and their prompt tokens (the prefill they take before it):
+    every one of a higher priority; of its own priority, the tenant's own queue, and of each other tenant the
+    requests (oldest first across the queues) whose virtual start tags are at most the new one's:
+
+        start(new)  = max(vtime[tenant], clock) + sum over its queued of tokens / weight[tenant]
+        start(u, j) = vtime[u] + sum over u's first j queued of tokens / weight[u]
+
+    (start-time fair queueing: the lowest tag goes next). A quiet tenant's request is not behind a flooding
+    tenant's whole backlog, and an early shed must not pretend it is."""
+    count = tokens = 0
+    for q in queues:
+        for p in range(priority):
+            for dq in q.levels[p].values():
+                count += len(dq)
+                tokens += sum(w.req.prompt_tokens for w in dq)
+    v = queues[0].virtual
+    weights = queues[0].weights
+    start = max(v.vtime.get(tenant, v.clock), v.clock)
+    others: dict[str, list[deque[Waiter]]] = {}
+    w_own = weights.get(tenant, 1.0)
+    for q in queues:
+        for t, dq in q.levels[priority].items():
+            if t != tenant:
+                others.setdefault(t, []).append(dq)
+                continue
+            count += len(dq)
+            for w in dq:
+                tokens += w.req.prompt_tokens
+                start += w.req.total_tokens / w_own
+    for t, dqs in others.items():
+        weight = weights.get(t, 1.0)
+        tag = v.vtime.get(t, v.clock)
+        for w in (dqs[0] if len(dqs) == 1 else merge(*dqs, key=lambda x: x.enqueued)):
+            if tag > start + 1e-9:
+                break
+            count += 1
+            tokens += w.req.prompt_tokens
+            tag += w.req.total_tokens / weight
+    return count, tokens

@@ -27,7 +27,7 @@ from extproc.admission.kv_growth import Growth
 from extproc.admission.placement import REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy, LanePolicy
 from extproc.admission.prefill_rate import PrefillRate
-from extproc.admission.queue import FairQueue, VirtualClock, Waiter
+from extproc.admission.queue import FairQueue, VirtualClock, Waiter, work_ahead
 from extproc.admission.seq_cap import SeqCap
 from extproc.admission.token_calibration import TokenCalibration
 from extproc.request import PRIORITIES, LLMRequest
@@ -162,18 +162,13 @@ class Scheduler:
         m = self.meter[lane]
         return sum(q.size for i, q in enumerate(self.queues) if self.meter[i] == m)
 
-    def _ahead_in_other_lanes(self, lane: int, tenant: str, priority: int) -> tuple[int, int]:
-        """Waiters (and their prompt tokens) of the other lanes sharing the pool with `lane` that `kick`'s one fair
-        order across them puts ahead of a new request of `tenant` (`FairQueue.work_ahead` in each)."""
+    def _work_ahead(self, lane: int, tenant: str, priority: int) -> tuple[int, int]:
+        """Waiters (and their prompt tokens) a new request of `tenant` in `lane` would wait behind: in fair order in
+        its lane, and with it the other lanes sharing the pool (one fair order across them: `kick`)."""
         n = len(self.queues)
         if self.meter[lane] != n:
-            return 0, 0
-        count = tokens = 0
-        for i, queue in enumerate(self.queues):
-            if i != lane and self.meter[i] == n and queue.size:
-                c, t = queue.work_ahead(tenant, priority)
-                count, tokens = count + c, tokens + t
-        return count, tokens
+            return self.queues[lane].work_ahead(tenant, priority)
+        return work_ahead([q for i, q in enumerate(self.queues) if self.meter[i] == n], tenant, priority)
 
     def _waiting_at_or_above(self, lane: int, priority: int) -> bool:
         """Something of this priority or higher waits where a new request of `lane` would queue behind it (its
@@ -233,9 +228,7 @@ class Scheduler:
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
-        ahead, ahead_tokens = queue.work_ahead(req.tenant, prio)
-        before, before_tokens = self._ahead_in_other_lanes(lane, req.tenant, prio)
-        ahead, ahead_tokens = ahead + before, ahead_tokens + before_tokens
+        ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that

@@ -1,6 +1,6 @@
 """Fair queue: strict priority, token-weighted fair share across tenants, removal."""
 
-from extproc.admission.queue import FairQueue, Waiter
+from extproc.admission.queue import FairQueue, VirtualClock, Waiter, work_ahead
 from extproc.request import LLMRequest
 
 
@@ -90,3 +90,39 @@ def test_ahead_of_counts_the_fair_share_not_the_whole_backlog():
     q.push(waiter("quiet", t=60))
     assert q.ahead_of("quiet", 0) == 1 + 2
     assert q.ahead_of("quiet", 1) == 51  # a lower priority waits behind every higher one
+
+
+def test_work_ahead_follows_the_virtual_start_tags_and_matches_the_dispatch_order():
+    """What work_ahead counts ahead of a new request is what the queue dispatches before it: start-time fair
+    queueing by virtual start tags (each request here charges 101 tokens)."""
+    q = FairQueue(2, {})
+    for i in range(20):
+        q.push(waiter("flood", t=i))
+    assert drain(q, 6) == ["flood"] * 6  # served alone: the clock follows it (505), its next tag is 606
+    q.push(waiter("quiet", t=30))  # enters at the clock: tags 505, 606
+    q.push(waiter("quiet", t=31))
+    # a third quiet request would start at 707: its own two, and the flood's 606 and 707, go first
+    assert q.work_ahead("quiet", 0) == (4, 400)
+    q.push(waiter("quiet", t=32))
+    assert drain(q, 5) == ["quiet", "flood", "quiet", "flood", "quiet"]
+    # weights: a tenant of weight 3 advances a third as fast, so more of its requests go ahead of a new one
+    g = FairQueue(2, {"gold": 3.0})
+    for i in range(10):
+        g.push(waiter("gold", t=i))
+    assert g.work_ahead("plain", 0) == (1, 100)
+    g.push(waiter("plain", t=20))
+    assert g.work_ahead("plain", 0) == (1 + 4, 500)  # gold's tags 0, 33.7, 67.3, 101: four at or before 101
+    assert drain(g, 5).count("gold") == 4
+
+
+def test_work_ahead_across_queues_sharing_a_virtual_clock_counts_a_tenant_once():
+    """The lanes sharing the pool are one fair order: a flood split over two of them is one sequence of start tags,
+    so a quiet request waits behind one flood request, not one per lane."""
+    shared = VirtualClock()
+    short, normal = FairQueue(2, {}, shared), FairQueue(2, {}, shared)
+    for i in range(3):
+        short.push(waiter("flood", t=2 * i))
+        normal.push(waiter("flood", t=2 * i + 1))
+    assert work_ahead([short, normal], "quiet", 0) == (1, 100)
+    assert short.work_ahead("quiet", 0) == normal.work_ahead("quiet", 0) == (1, 100)
+    assert work_ahead([short, normal], "flood", 0) == (6, 600)

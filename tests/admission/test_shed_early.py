@@ -125,7 +125,7 @@ async def test_lanes_sharing_the_pool_share_one_drain_rate_and_count_each_others
     assert isinstance(s.submit(req(prompt=5_000), 0.0), Placement)  # normal lane: 0.5 s of backlog
     for _ in range(4):  # short prompts (0.1 s of the 1 s target) queue: 4 x 1,000 of the 5,000 tokens of room
         assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)
-    assert s._ahead_in_other_lanes(1, "t", 0) == (4, 4_000)
+    assert s._work_ahead(1, "t", 0) == (4, 4_000)
     with pytest.raises(Shed):  # a normal 2,000-token prompt has 1,000 tokens of room left behind them
         s.submit(req(prompt=2_000), 0.0)
     assert isinstance(s.submit(req(prompt=1_000), 0.0), Waiter)  # the short lane's fifth still fits
