@@ -304,23 +304,19 @@ class Scheduler:
         The requests ahead are placed first, each on the replica with the most room (the scorer's lowest predicted
         TTFT) while it fits; the request may wait only if some replica still has room for its prompt afterwards:
             short = prompt - max_r room_r (after the ahead ones), in seconds of prefill at `rate`
-        It holds while the learned speed does: so only while some engine has a queue (its backlog is real and the
-        speed a measurement; with none, the speed is probed upwards while the request waits, as after a slowdown
-        in P5), and while the wait budget ends before the TTFT limit's floor (own prefill + REFILL_S) takes over,
+        This holds while the wait budget ends before the TTFT limit's floor (own prefill + REFILL_S) takes over,
         i.e. budget <= target - prefill - REFILL_S, which the default budget is (the floor would let a long prompt
-        in behind REFILL_S of backlog later; an explicit max_wait_s may reach it too). Otherwise 0."""
+        in behind REFILL_S of backlog later; an explicit max_wait_s may reach it too): otherwise 0."""
         placer = self.placer
         rate = placer.rate
         target = self.policy.ttft_target_s
         prompt = float(req.prompt_tokens)
         if wait_budget > target - prompt / rate - REFILL_S + 1e-9:
             return 0.0
-        usable = [r for r in self.pool.replicas if placer.usable(r, now)]
-        if not any(r.engine.waiting for r in usable):
-            # No engine has a queue: the backlog is the sidecar's estimate at a learned speed the engines are
-            # keeping up with, which the speed's probe raises while the request waits (after a slowdown, P5).
-            return 0.0
-        rooms = [rate * target * placer.weight(r, now) - placer.backlog(r, now) for r in usable]
+        rooms = [rate * target * placer.weight(r, now) - placer.backlog(r, now)
+                 for r in self.pool.replicas if placer.usable(r, now)]
+        if not rooms:
+            return 0.0  # nothing routable: the pool-down path answers
         each = ahead_tokens / ahead if ahead else 0.0
         for _ in range(ahead):
             i = max(range(len(rooms)), key=rooms.__getitem__)

@@ -18,7 +18,6 @@ RATE = 10_000.0  # prompt tokens/s: with the 1 s target, a replica has room for 
 def scheduler(n: int = 1, **admission: object) -> Scheduler:
     """Shipped defaults (the wait budget derived from the SLO), a 1 s target, RATE tokens/s of prefill."""
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    pool.replicas[0].engine.waiting = 1  # an engine with a queue: the prefill backlog is real (see the last test)
     policy = parse_section("admission", {"kv_capacity_tokens": 1_000_000, "ttft_target_s": 1.0,
                                          "prefill_tokens_per_s": RATE, **admission})
     return Scheduler(pool, policy, Placer(pool, policy))
@@ -77,16 +76,6 @@ async def test_a_quiet_tenant_is_not_shed_for_a_floods_queue():
         s.submit(req(prompt=2_000, tenant="flood"), 0.0)
     # the fair order puts the quiet tenant's request behind one of the flood's queued requests, not both
     assert isinstance(s.submit(req(prompt=2_000, tenant="quiet"), 0.0), Waiter)
-
-
-async def test_without_an_engine_queue_the_room_is_not_judged():
-    """No engine has a queue: the backlog is only the sidecar's estimate at a learned speed the engines keep up
-    with, and the speed's probe may open room while the request waits (after a slowdown, P5): it queues."""
-    s = scheduler()
-    s.pool.replicas[0].engine.waiting = 0
-    for _ in range(3):
-        s.submit(req(), 0.0)
-    assert isinstance(s.submit(req(), 0.0), Waiter)
 
 
 async def test_an_explicit_wait_beyond_the_prefill_floor_is_not_judged_by_the_room():
