@@ -30,8 +30,10 @@ as dead).
                 (only ttft_p95_degraded_s when no other replica has min_samples first tokens, or no SLO is known;
                 SLO = admission.ttft_target_s), unless the replica keeps pace: it completed >= 1 / degraded_vs_pool
                 of the median of its serving peers' completions over the last tps_min_span_s (Envoy's access log;
-                the peers' median >= error_min_samples). Saturated engines' TTFTs spread widely while they all
-                complete requests; a sick one falls behind in completions too.
+                the peers' median >= error_min_samples), or it processed >= 1 / degraded_vs_pool of their median
+                tokens/s (prompt + generated, the engines' counters). Saturated engines' TTFTs spread widely while
+                they all complete requests, and a replica given a long prompt shows its prefill as a TTFT while
+                completing fewer requests at the same token rate; a sick one falls behind in both.
   tps_collapse  generated tokens/s per running request (window mean) < tps_floor_per_request, while the window's
                 mean requests in the engine >= tps_min_busy, requests are in the engine now, the window spans
                 >= tps_min_span_s, and the access log shows no request answered by it within that span (vLLM
@@ -168,6 +170,7 @@ class HealthTracker:
         self._ref_ttft: dict[str, float] = {}
         self._ref_errors: dict[str, float] = {}
         self._ref_pace: dict[str, float] = {}
+        self._ref_token_pace: dict[str, float] = {}
         self._all_gauge = rm.pool_all_degraded(pool.model)
         self._all_gauge.set(0)
         for r in pool.replicas:
@@ -265,11 +268,14 @@ class HealthTracker:
         since = now - p.tps_min_span_s
         paces = {r.address: float(self._track(r).outcomes.completed_since(since)) for r in serving}
         ordered_paces = sorted(paces.values())
+        token_paces = {r.address: _token_pace(r) for r in serving}
+        ordered_token_paces = sorted(token_paces.values())
         total = sum(c[0] for c in counts.values())
         errors = sum(c[1] for c in counts.values())
         self._ref_ttft.clear()
         self._ref_errors.clear()
         self._ref_pace.clear()
+        self._ref_token_pace.clear()
         for r in self.pool.replicas:
             healthy_own = r.state == HEALTHY and not r.draining and r.engine.ttft_count_window >= p.min_samples
             ref = _median_without(ttfts, r.engine.ttft_p95_s if healthy_own else None)
@@ -281,17 +287,25 @@ class HealthTracker:
             pace = _median_without(ordered_paces, paces.get(r.address))
             if pace is not None:
                 self._ref_pace[r.address] = pace
+            token_pace = _median_without(ordered_token_paces, token_paces.get(r.address))
+            if token_pace:
+                self._ref_token_pace[r.address] = token_pace
 
     def keeps_pace(self, r: Replica, now: float) -> bool:
-        """Does `r` complete requests at >= 1 / degraded_vs_pool of its peers' median pace (>= error_min_samples
-        of theirs over the last tps_min_span_s)? Then a high TTFT is the pool's load, not a sick replica: two
-        saturated real engines' p95 TTFT differed by 5x while they completed 307 and 351 requests (issue 16)."""
+        """Does `r` keep >= 1 / degraded_vs_pool of its peers' median pace, in requests completed over the last
+        tps_min_span_s (>= error_min_samples of theirs) or in tokens processed per second (prompt + generated,
+        its engine's counters over the scrape window)? Then a high TTFT is its load, not a sick replica: two
+        saturated real engines' p95 TTFT differed by 5x while they completed 307 and 351 requests (issue 16),
+        and a replica given a long prompt shows that prompt's prefill as a TTFT and completes fewer requests
+        while its peers take the short ones (lanes keep short prompts off a long prefill, P3), at the same
+        token rate. A sick replica falls behind in both: it processes less of whatever it was given."""
         p = self.policy
         ref = self._ref_pace.get(r.address)
-        if ref is None or ref < p.error_min_samples:
-            return False
-        own = self._track(r).outcomes.completed_since(now - p.tps_min_span_s)
-        return own * p.degraded_vs_pool >= ref
+        if ref is not None and ref >= p.error_min_samples:
+            if self._track(r).outcomes.completed_since(now - p.tps_min_span_s) * p.degraded_vs_pool >= ref:
+                return True
+        ref_tokens = self._ref_token_pace.get(r.address)
+        return ref_tokens is not None and _token_pace(r) * p.degraded_vs_pool >= ref_tokens
 
     def ttft_bar(self, r: Replica) -> float:
         """The p95 TTFT above which `r` is sick: ttft_p95_degraded_s, or less when its peers are much faster
@@ -328,7 +342,7 @@ class HealthTracker:
         p = self.policy
         e = r.engine
         if (e.ttft_count_window >= min_samples and e.ttft_p95_s > ttft_limit
-                and not (pace and self.keeps_pace(r, now))):
+                and (e.ttft_p95_s > p.ttft_p95_degraded_s or not (pace and self.keeps_pace(r, now)))):
             ref = self._ref_ttft.get(r.address)
             peers = f"; the others' median {ref:.3g}s" if ref is not None else ""
             return TTFT, (f"p95 TTFT {e.ttft_p95_s:.3g}s > {ttft_limit:.3g}s over "
@@ -573,6 +587,11 @@ class HealthTracker:
                             ", ".join(serving) or "nothing (no replica answers)")
             else:
                 log.info("pool %s: a replica is healthy or recovering again", self.pool.model)
+
+
+def _token_pace(r: Replica) -> float:
+    """Tokens/s the replica's engine processed over the scrape window: prompt tokens prefilled + tokens generated."""
+    return r.engine.prompt_tps + r.engine.generation_tps
 
 
 def _median_without(values: list[float], own: float | None) -> float | None:

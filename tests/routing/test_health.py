@@ -30,12 +30,16 @@ def make(n: int = 2, slo: float | None = None, **overrides) -> tuple[Pool, Healt
 
 
 def scrape(r: Replica, now: float, *, ttft: float = 0.2, samples: float = 20, running: int = 2,
-           waiting: int = 0, tps: float = 100.0, span: float = 10.0, restarted: bool = False,
-           recent: tuple[float, float] | None = None) -> None:
-    """`recent`: (p95, first tokens) over the last slow-start step; default: the window's."""
+           waiting: int = 0, tps: float | None = None, span: float = 10.0, restarted: bool = False,
+           recent: tuple[float, float] | None = None, prompt_tps: float = 0.0) -> None:
+    """`recent`: (p95, first tokens) over the last slow-start step; default: the window's. `tps`: generated
+    tokens/s; default: 100, less in proportion for a p95 TTFT over 0.5 s (a slow replica processes less)."""
     recent_ttft, recent_n = recent if recent is not None else (ttft, samples)
+    if tps is None:
+        tps = 100.0 * min(1.0, 0.5 / ttft) if ttft > 0 else 100.0
     r.on_scrape(ScrapedState(scraped_at=now, running=running, waiting=waiting, running_avg=float(running),
-                             waiting_avg=float(waiting), generation_tps=tps, window_span_s=span,
+                             waiting_avg=float(waiting), generation_tps=tps, prompt_tps=prompt_tps,
+                             window_span_s=span,
                              ttft_p95_s=ttft, ttft_count_window=samples, restarted=restarted,
                              ttft_p95_recent_s=recent_ttft, ttft_count_recent=recent_n))
 
@@ -661,6 +665,42 @@ def test_a_high_ttft_while_it_keeps_pace_with_its_peers_is_load_not_sickness():
         tr.on_scrape_round(t + 0.5)
     assert (a.state, b.state) == (DEGRADED, HEALTHY)
     assert a.state_reason.startswith("ttft_p95")
+
+
+def test_a_long_prompts_prefill_is_not_sickness_while_the_replica_keeps_the_token_pace():
+    """P3: a replica given a 6,500-token prompt shows its 2 s prefill in its p95 TTFT (SLO 0.5 s, the peer's p95
+    0.1 s) and completes a fraction of the peer's requests, since lanes keep the short ones off a long prefill;
+    it processed as many tokens a second. A replica that processes a fraction of its peer's tokens is sick."""
+    pool, tr = make(2, slo=0.5, ttft_p95_degraded_s=15.0, tps_min_span_s=3.0)
+    a, b = pool.replicas
+    for t in range(1, 8):
+        complete(tr, a, 1, t)                 # 1 against 6 a second: behind in completions
+        complete(tr, b, 6, t)
+        scrape(a, t + 0.5, ttft=2.0, tps=20.0, prompt_tps=3200.0)
+        scrape(b, t + 0.5, ttft=0.1, tps=100.0, prompt_tps=4600.0)
+        tr.on_scrape_round(t + 0.5)
+        assert (a.state, b.state) == (HEALTHY, HEALTHY), a.state_reason
+    for t in range(8, 12):
+        complete(tr, a, 1, t)
+        complete(tr, b, 6, t)
+        scrape(a, t + 0.5, ttft=2.0, tps=20.0, prompt_tps=800.0)   # now behind in tokens as well
+        scrape(b, t + 0.5, ttft=0.1, tps=100.0, prompt_tps=4600.0)
+        tr.on_scrape_round(t + 0.5)
+    assert (a.state, b.state) == (DEGRADED, HEALTHY)
+    assert a.state_reason.startswith("ttft_p95")
+
+
+def test_the_absolute_ttft_ceiling_holds_while_a_replica_keeps_pace():
+    """ttft_p95_degraded_s is a bar whatever the load: keeping pace excuses a TTFT between the peers' bar and it."""
+    pool, tr = make(2, slo=2.0, ttft_p95_degraded_s=15.0, tps_min_span_s=3.0)
+    a, b = pool.replicas
+    for t in range(1, 5):
+        complete(tr, a, 6, t)
+        complete(tr, b, 6, t)
+    scrape(a, 4.5, ttft=16.0, tps=100.0)
+    scrape(b, 4.5, ttft=1.0, tps=100.0)
+    tr.on_scrape_round(4.5)
+    assert (a.state, b.state) == (DEGRADED, HEALTHY)
 
 
 def test_errors_that_hit_a_degraded_peer_as_well_are_the_load():
