@@ -64,6 +64,8 @@ class LLMRequest:
     prefix_chain: tuple[int, ...] = ()  # chained hashes of the prompt's first PREFIX_LADDER[i] characters (prefix
                                         # affinity: which prefix a prompt shares with earlier ones)
     prompt_chars: int = 0        # characters of prompt text (prefix levels in characters -> tokens)
+    prefix_held: int = 0         # tokens of its prompt that requests in flight on its replica held in KV when it
+                                 # was placed (admission: it adds only the rest to that replica's KV)
     body_fingerprint: bytes = b""  # digest of the whole body: duplicate / retry detection
     include_usage: bool = False
     output_limited: bool = True  # the client set max_tokens / max_completion_tokens (else an expectation is used)
@@ -88,12 +90,29 @@ class LLMRequest:
 
 PREFIX_CHARS = 512  # leading characters of the prompt that identify a template / system prompt
 
-# Prefix levels, in characters of prompt text: 512, 558, 608, 663, ... (each 2**(1/8), about 9 %, longer than the
-# last, so the longest level two prompts share covers at least 92 % of the text they share), up to 2**21
-# characters. A coarser ladder (sqrt(2) steps) under-predicted a 6,000-token system prompt's cached part by up to
-# 30 %, which put prompts that prefill in 0.1 s into the long lane and shed them (PX). The chain is one pass over
-# the text whatever the step; finer steps only add dictionary lookups (about 8 per doubling of the prompt).
-PREFIX_LADDER: tuple[int, ...] = tuple(sorted({int(512 * 2 ** (k / 8)) for k in range(97)}))
+# Prefix levels, in characters of prompt text: 512, 558, 608, ... (each 2**(1/8), about 9 %, longer than the last)
+# until that step would pass PREFIX_STEP characters (about 128 tokens: a KV block of the CPU engine, a few of a
+# GPU's), then PREFIX_STEP characters apart, and once PREFIX_STEP is under 1/PREFIX_FINE of the level, 1/PREFIX_FINE
+# of it (1.6 %), up to 2**21 characters. The longest level two prompts share misses at most one step of the text
+# they share: for a cached multi-turn chat or system prompt that is its tail, which is what the engine computes and
+# what decides its lane. A purely geometric ladder (9 % steps) left up to 540 tokens of a cached 6,000-token prompt
+# predicted uncached, which with the question put it in the long lane (PX). The chain is one pass over the text
+# whatever the step; finer steps only add dictionary lookups (about 60 levels for a 6,000-token prompt, 350 at 2**21).
+PREFIX_STEP = 512
+PREFIX_FINE = 64
+
+
+def _prefix_ladder(first: int = 512, last: int = 1 << 21) -> tuple[int, ...]:
+    """Level k+1 = level k + min(9 % of it, max(PREFIX_STEP, 1/PREFIX_FINE of it)), from `first` to `last`."""
+    levels = [first]
+    while levels[-1] < last:
+        level = levels[-1]
+        step = min(int(level * (2 ** 0.125 - 1)), max(PREFIX_STEP, level // PREFIX_FINE))
+        levels.append(min(last, level + max(1, step)))
+    return tuple(levels)
+
+
+PREFIX_LADDER: tuple[int, ...] = _prefix_ladder()
 
 
 def prefix_chain(text: str) -> tuple[int, ...]:

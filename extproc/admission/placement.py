@@ -117,6 +117,7 @@ class Placer:
         # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
         self._cached_for: LLMRequest | None = None
         self._cached: dict[Replica, float] = {}
+        self._held: dict[Replica, float] = {}  # ... and the prompt tokens requests in flight hold, per replica
 
     def on_replicas_changed(self) -> None:
         """The pool's replica set changed (built, reloaded, or discovery added / removed one): new replicas get the
@@ -456,7 +457,7 @@ class Placer:
         ttft_limit = self.ttft_limit_s(req, now, waited)
         cached = self.prefix.cached_tokens(req) if self.prefix is not None else {}
         held = self.prefix.held_tokens(req) if self.prefix is not None else {}
-        self._cached_for, self._cached = req, cached
+        self._cached_for, self._cached, self._held = req, cached, held
         subset = req.subset
         for r in self.pool.replicas:
             if subset is not None and not subset.allows(r.address):
@@ -487,9 +488,11 @@ class Placer:
         """`req` goes to `r`: charge its uncached prompt to the replica's prefill backlog, its expected output to
         the replica's KV growth from its predicted first token on (returned: `release` takes it), and remember its
         prefix there (prefix_affinity.py)."""
-        cached = self._cached.get(r, 0.0) if self._cached_for is req else 0.0
-        self._cached_for, self._cached = None, {}
-        r.place(req.total_tokens, req.prompt_tokens)
+        mine = self._cached_for is req
+        cached = self._cached.get(r, 0.0) if mine else 0.0
+        req.prefix_held = int(min(self._held.get(r, 0.0), req.prompt_tokens)) if mine else 0
+        self._cached_for, self._cached, self._held = None, {}, {}
+        r.place(req.total_tokens, req.prompt_tokens, req.prefix_held)
         r.prefill_backlog = self.backlog(r, now) + req.prompt_tokens - cached
         r.prefill_at = now
         r.lane_prefill_until[lane] = now + r.prefill_backlog / self.rate  # prompts ahead of it prefill first
@@ -513,7 +516,7 @@ class Placer:
     def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None) -> None:
         if growth is not None:
             self._ledger(r).remove(growth)
-        r.release(req.total_tokens, req.prompt_tokens, epoch)
+        r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.release(r, req)
         r.lane_inflight[lane] -= 1
@@ -525,6 +528,7 @@ class Placer:
         """The request was served by `to`, not by `r` where it was placed (the gateway walked down the pin list):
         its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
         self.release(r, req, lane, epoch, growth)
+        req.prefix_held = 0  # what `to`'s requests in flight hold of its prefix is not known
         to.place(req.total_tokens, req.prompt_tokens)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.hold(to, req)

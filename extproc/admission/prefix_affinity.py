@@ -5,8 +5,11 @@ growing context) prefill only their uncached tail on a replica whose prefix cach
 4,000-token prompt with 3,968 tokens cached takes about 70 ms on the real CPU engine instead of 340 ms.
 
 Which prefix: `LLMRequest.prefix_chain`, chained hashes of the prompt text's first `PREFIX_LADDER` characters
-(512, 558, 608, ...: each level about 9 % longer), computed once when the body is parsed. Two prompts that
-share their first L characters share every level up to L.
+(512, 558, 608, ...: each level about 9 % longer, but at most PREFIX_STEP = 512 characters, about 128 tokens,
+apart up to 32,768 characters, and 1/64 of the level beyond), computed once when the body is parsed. Two prompts
+that share their first L characters share every level up to L, and the longest of them is less than one step
+short of L: a cached prompt's predicted uncached part is its real tail plus at most one step, as block-granular
+matching in the engine leaves its tail plus less than one block.
 
 Where it may be cached: `PrefixAffinity` remembers, per level hash, the replicas this sidecar placed it on (the
 KEEP most recent) in LRU order, at most MAX_ENTRIES hashes. The longest level a replica holds predicts the
@@ -14,17 +17,18 @@ prompt tokens its engine will find cached:
 
     cached(r) = characters of that level x prompt tokens / prompt characters  (x OLDER_HOLDER, below)
 
-Whether it is cached (confirmed, never assumed from the hash): each placement adds its predicted cached tokens to
-the replica's tally, and each scrape adds the engine's own prefix-cache hits (the delta of
-`vllm:prefix_cache_hits_total`, in tokens). Once predictions worth MIN_EVIDENCE tokens have accumulated, the
-replica's confidence moves by ALPHA toward
+Whether it is cached (confirmed, never assumed from the hash): each placement adds its predicted cached tokens
+(cached(r), with the holder's credit) to the replica's tally, and each scrape adds the engine's own prefix-cache
+hits (the delta of `vllm:prefix_cache_hits_total`, in tokens), into two sums that forget by evidence, not by
+scrape: a scrape that brings p predicted tokens scales both sums by 0.5^(p / HALF_EVIDENCE) first. Once the
+predictions' sum reaches MIN_EVIDENCE tokens,
 
-    confidence(r) <- confidence(r) + ALPHA x (min(1, hits / predicted) - confidence(r))
+    confidence(r) = min(1, hits_sum / predicted_sum)       hits_sum <= SURPLUS x predicted_sum
 
-Hits beyond the window's predictions (at most as many again) carry over to the next window: a request placed
-just before a scrape is predicted in that window but prefilled, and counted by the engine, in the next one.
-Dropping that surplus biased every window low (a window short of its late hits, the next one capped at 1), and
-with it the confidence, which kept cached prompts of several thousand tokens predicted as long prefills.
+A request placed just before a scrape is predicted in that window and prefilled, and counted by the engine, in
+the next one; in the sums its late hits still meet their prediction. A confidence moved per window toward that
+window's ratio instead swung with every such window (0.95 to 0.09 and back within seconds in PX), and, as a
+multiplier of every prediction, pushed cached prompts of several thousand tokens into the long lane.
 
 It starts at 0, so nothing is assumed before the counters agree: requests placed by load alone land on a
 replica that already served their prefix often enough for the counters to show it. An engine with prefix
@@ -71,16 +75,18 @@ from extproc.routing.pool import Replica
 KEEP = 4               # replicas remembered per prefix level (most recent placements)
 MAX_ENTRIES = 65_536   # prefix level hashes remembered per pool (LRU)
 MIN_EVIDENCE = 2048.0  # predicted cached tokens needed before the counters are compared with them
-ALPHA = 0.5            # weight of one comparison in the confidence
+HALF_EVIDENCE = 32_768.0  # predicted tokens after which a past prediction and its hits count half (the memory)
+SURPLUS = 2.0          # hits remembered beyond the predictions, at most this x them (late hits, below)
 OLDER_HOLDER = 0.5     # a level's holders other than its most recent placement count this share of it cached
 
 
 @dataclass(slots=True)
 class _Tally:
-    """One replica: predicted and counted hits since the last comparison, and the confidence."""
+    """One replica: predictions since the last scrape, the decayed sums of predictions and hits, the confidence."""
 
-    predicted: float = 0.0
-    hits: float = 0.0
+    predicted: float = 0.0    # predicted cached tokens placed since the last scrape
+    predicted_sum: float = 0.0
+    hits_sum: float = 0.0
     last_hits: float = -1.0   # the engine's hits counter at the last scrape taken (-1: none)
     at: float = 0.0           # scraped_at of that scrape
     confidence: float = 0.0
@@ -184,14 +190,16 @@ class PrefixAffinity:
             where.popitem(last=False)
 
     def predicted_tokens(self, r: Replica, req: LLMRequest) -> float:
-        """Unweighted: the longest level of `req`'s prefix placed on `r` before, in tokens (0: none)."""
+        """Unweighted by confidence: the longest level of `req`'s prefix placed on `r` before, in tokens, x
+        OLDER_HOLDER when `r` is not its latest holder (the credit `cached_tokens` gives it; 0: none)."""
         chain = req.prefix_chain
         if not chain or not req.prompt_chars:
             return 0.0
         for i in range(len(chain) - 1, -1, -1):
             placed = self.where.get(chain[i])
             if placed is not None and r in placed:
-                return PREFIX_LADDER[i] * req.prompt_tokens / req.prompt_chars
+                credit = 1.0 if r is next(reversed(placed)) else OLDER_HOLDER
+                return credit * PREFIX_LADDER[i] * req.prompt_tokens / req.prompt_chars
         return 0.0
 
     # ---- the engines' counters ---------------------------------------------------------------------------
@@ -211,20 +219,19 @@ class PrefixAffinity:
                 t.last_hits = -1.0  # not exported
                 continue
             if t.last_hits < 0 or total < t.last_hits or getattr(e, "restarted", False):
-                if t.last_hits >= 0:
-                    t.confidence = 0.0  # the engine restarted: its cache is empty
-                t.last_hits, t.predicted, t.hits = total, 0.0, 0.0
+                if t.last_hits >= 0:  # the engine restarted: its cache is empty
+                    t.confidence, t.predicted_sum, t.hits_sum = 0.0, 0.0, 0.0
+                t.last_hits, t.predicted = total, 0.0
                 continue
             delta, t.last_hits = total - t.last_hits, total
-            if t.predicted <= 0:
-                t.hits = 0.0
-                continue
-            t.hits += delta
-            if t.predicted >= MIN_EVIDENCE:
-                seen = min(1.0, t.hits / t.predicted)
-                t.confidence += ALPHA * (seen - t.confidence)
-                t.hits = min(t.hits - t.predicted, t.predicted) if t.hits > t.predicted else 0.0
-                t.predicted = 0.0
+            if t.predicted <= 0 and t.predicted_sum <= 0:
+                continue  # nothing predicted yet: the hits are of prefixes this sidecar does not follow
+            keep = 0.5 ** (t.predicted / HALF_EVIDENCE)
+            t.predicted_sum = t.predicted_sum * keep + t.predicted
+            t.hits_sum = min(t.hits_sum * keep + delta, SURPLUS * t.predicted_sum)
+            t.predicted = 0.0
+            if t.predicted_sum >= MIN_EVIDENCE:
+                t.confidence = min(1.0, t.hits_sum / t.predicted_sum)
 
     def confidence(self, r: Replica) -> float:
         t = self.tally.get(r.address)

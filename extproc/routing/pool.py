@@ -100,27 +100,29 @@ class Replica:
     state_since: float = field(default_factory=time.monotonic)
     state_reason: str = "start"
 
-    def place(self, tokens: int, prompt_tokens: int = 0) -> None:
+    def place(self, tokens: int, prompt_tokens: int = 0, shared: int = 0) -> None:
+        """`shared`: tokens of its prompt that requests in flight here already hold in the engine's KV (a common
+        prefix, whose blocks the engine shares): it adds only the rest to what the engine holds."""
         self.inflight_requests += 1
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += prompt_tokens
         self.placed_prompt_total += prompt_tokens
         self.placed_requests_total += 1
-        self.placed_since_scrape_tokens += tokens
-        self.placed_since_scrape_prompt_tokens += prompt_tokens
+        self.placed_since_scrape_tokens += tokens - shared
+        self.placed_since_scrape_prompt_tokens += prompt_tokens - shared
         self.placed_since_scrape_requests += 1
         self.placed_in_epoch_requests += 1
 
-    def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1) -> None:
+    def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1, shared: int = 0) -> None:
         """`epoch` is the scrape epoch at placement: a request placed and finished between two scrapes was never
-        seen by the engine's numbers, so it leaves the since-scrape counters too."""
+        seen by the engine's numbers, so it leaves the since-scrape counters too (`shared` as placed)."""
         self.inflight_requests -= 1
         self.inflight_tokens -= tokens
         self.inflight_prompt_tokens -= prompt_tokens
         self.served_total += 1
         if epoch == self.scrape_epoch:
-            self.placed_since_scrape_tokens -= tokens
-            self.placed_since_scrape_prompt_tokens -= prompt_tokens
+            self.placed_since_scrape_tokens -= tokens - shared
+            self.placed_since_scrape_prompt_tokens -= prompt_tokens - shared
             self.placed_since_scrape_requests -= 1
 
     def on_scrape(self, engine: EngineState) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from extproc.admission.placement import KV_FULL
 from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity
-from extproc.request import PREFIX_LADDER, LLMRequest, prefix_chain
+from extproc.request import PREFIX_LADDER, PREFIX_STEP, LLMRequest, prefix_chain
 from extproc.routing.pool import Replica
 from extproc.routing.scrape import ScrapedState
 
@@ -107,14 +107,17 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached_and_spill_when_it_is_bu
     assert home.prefill_backlog < 0.4 * q1.prompt_tokens
     # a hot prefix: its replica's backlog grows with every request, and once its predicted TTFT passes what an
     # uncached prefill elsewhere costs, the prefix spills to another replica, which then holds it too
+    # (each adds its uncached tail, under one ladder step, and its footprint to the KV term of the score)
     homes = []
-    for i in range(6):
+    for i in range(60):
         q = req(user=f"q{i + 2}")
         pins = p.choose(q, 1, 10.0)
         assert pins is not None
         p.commit(pins[0], q, 1, 10.0)
         homes.append(pins[0])
-    assert homes[0] is home and any(h is not home for h in homes)
+        if pins[0] is not home:
+            break
+    assert len(homes) > 5 and all(h is home for h in homes[:5]) and homes[-1] is not home
     spilled = next(h for h in homes if h is not home)
     assert p.prefix.predicted_tokens(spilled, req(user="later")) > 0
 
@@ -219,3 +222,81 @@ def test_hits_counted_a_scrape_after_their_placement_still_confirm_the_predictio
         scrape(r, 1.0 + k, hits)
         aff.on_scrape([r])
     assert aff.confidence(r) > 0.95
+
+
+def test_the_longest_shared_level_misses_at_most_one_step_of_the_shared_text():
+    """A cached prompt's uncached part is its tail plus at most PREFIX_STEP characters (about one KV block), not
+    a share of the whole prompt: a 24,000-character system prompt shared up to its end is matched to within 512
+    characters, so its cached tail stays a short prefill."""
+    for shared in (700, 5_000, 24_000, 30_000):
+        base = SYSTEM * 2
+        a, b = prefix_chain(base[:shared] + "A" * 600), prefix_chain(base[:shared] + "B" * 600)
+        common = sum(1 for x, y in zip(a, b) if x == y)
+        assert PREFIX_LADDER[common - 1] <= shared < PREFIX_LADDER[common - 1] + PREFIX_STEP
+    steps = [b - a for a, b in zip(PREFIX_LADDER, PREFIX_LADDER[1:])]
+    assert max(steps[:60]) <= PREFIX_STEP and len(PREFIX_LADDER) < 400
+
+
+def test_confidence_is_the_hit_share_over_many_windows_not_the_last_one():
+    """One window whose predictions the engine has not counted yet (or an evicted prefix) does not drop the
+    confidence that every earlier window confirmed: it is the ratio of decayed sums of hits and predictions."""
+    aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
+    scrape(r, 0.5, 0.0)
+    aff.on_scrape([r])
+    hits = 0.0
+    for k in range(8):
+        q = req(user=f"u{k}")
+        aff.record(r, q, 4000.0, 0.0)
+        aff.release(r, q)
+        hits += 4000.0
+        scrape(r, 1.0 + k, hits)
+        aff.on_scrape([r])
+    assert aff.confidence(r) == pytest.approx(1.0)
+    q = req(user="missed")
+    aff.record(r, q, 4000.0, 0.0)  # the engine finds none of it
+    scrape(r, 10.0, hits)
+    aff.on_scrape([r])
+    assert 0.8 < aff.confidence(r) < 0.95  # one miss among nine predictions of equal size (the latest weighs most)
+    for k in range(40):  # an engine that stopped caching: the confidence follows it down
+        aff.record(r, req(user=f"v{k}"), 4000.0, 0.0)
+        scrape(r, 11.0 + k, hits)
+        aff.on_scrape([r])
+    assert aff.confidence(r) < 0.05
+
+
+def test_an_older_holder_is_predicted_the_share_of_its_prefix_it_is_credited():
+    """A replica that is not a prefix's latest holder is predicted OLDER_HOLDER of it cached, as placement credits
+    it: a full prediction there, missed when its cache evicted the prefix, would lower its confidence in its own
+    prefixes too."""
+    aff = PrefixAffinity()
+    a, b = Replica(address="a:1", pool="m"), Replica(address="b:1", pool="m")
+    aff.record(b, req(user="first"), 0.0, 1.0)
+    aff.record(a, req(user="latest"), 0.0, 2.0)
+    q = req(user="next")
+    assert aff.predicted_tokens(a, q) > 0
+    assert aff.predicted_tokens(b, q) == pytest.approx(OLDER_HOLDER * aff.predicted_tokens(a, q))
+
+
+def test_requests_placed_since_the_scrape_count_a_prefix_they_share_once():
+    """Until the next scrape shows it, the engine's KV is what it reported plus what was placed since: a request
+    whose prefix is held by one in flight adds only the rest, so a burst of one app's requests between two
+    scrapes does not read as several copies of its system prompt (which refused the prefix's holder as KV full
+    and spilled the app to the other replica, PX). Ending leaves the counters as they were."""
+    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
+    home = p.pool.replicas[0]
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, home)
+    first, second = req(user="first"), req(user="second")
+    assert p.choose(first, 1, 10.0)[0] is home
+    p.commit(home, first, 1, 10.0)
+    before = home.placed_since_scrape_prompt_tokens
+    assert before == first.prompt_tokens and first.prefix_held == 0
+    assert p.choose(second, 1, 10.0)[0] is home
+    p.commit(home, second, 1, 10.0)
+    added = home.placed_since_scrape_prompt_tokens - before
+    assert second.prefix_held > 0.9 * LEVEL / 4 and added == second.prompt_tokens - second.prefix_held < 200
+    p.release(home, second, 1, home.scrape_epoch)
+    p.release(home, first, 1, home.scrape_epoch)
+    assert home.placed_since_scrape_prompt_tokens == home.placed_since_scrape_tokens == 0
