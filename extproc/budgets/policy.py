@@ -83,7 +83,7 @@ class RetryPolicy:
     duplicate_wait_s: float = 0.3     # a request whose identity is still counted in flight waits up to this long
                                       # for that request to end before it is refused as a duplicate (409): the end
                                       # of a finished request reaches the sidecar up to Envoy's access-log flush
-                                      # interval (100 ms) after its client saw it, and a client may resend the id
+                                      # interval (10 ms) after its client saw it, and a client may resend the id
                                       # at once. 0 = refuse at once; at most half of sidecar.message_timeout_ms
     use_idempotency_key: bool = True  # recognise retries / duplicates by the `Idempotency-Key` header
     use_request_id: bool = True       # recognise them by a reused request id (`x-request-id`)

@@ -73,7 +73,7 @@ def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack
 
     from .conftest import metric_sum, wait_for
 
-    # the previous test's request holds its slot until Envoy's access log reports its end (up to one 100 ms flush)
+    # the previous test's request holds its slot until Envoy's access log reports its end (up to one flush, 10 ms)
     assert wait_for(lambda: metric_sum(auth_stack.metrics_url, "sluice_tenant_open_streams") == 0)
     acme, globex = asyncio.run(run())
     assert acme.count("ok") == 2 and acme.count("limited") == 3
