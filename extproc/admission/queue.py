@@ -54,7 +54,6 @@ class FairQueue:
         self.weights = tenant_weights
         self.virtual = virtual if virtual is not None else VirtualClock()
         self.size = 0
-        self.prompt_tokens = 0  # of every waiter
 
     def __len__(self) -> int:
         return self.size
@@ -72,7 +71,6 @@ class FairQueue:
                 v.vtime[w.tenant] = v.clock
         dq.append(w)
         self.size += 1
-        self.prompt_tokens += w.req.prompt_tokens
 
     def peek(self, skip: set[str] | None = None) -> Waiter | None:
         """The next request to dispatch: highest priority first, then the lowest virtual counter. Tenants in
@@ -137,7 +135,6 @@ class FairQueue:
         if not dq:
             del level[w.tenant]
         self.size -= 1
-        self.prompt_tokens -= w.req.prompt_tokens
 
     def lowest_priority_newest(self, below: int) -> Waiter | None:
         """The waiter to evict when the queue is full and a more important request arrives."""

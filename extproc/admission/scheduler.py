@@ -342,7 +342,7 @@ class Scheduler:
         return rate
 
     def _expected_wait(self, lane: int, now: float, ahead: int) -> float | None:
-        """The requests this one would wait behind (fair order, `FairQueue.ahead_of`) / drain rate of the lane;
+        """The requests this one would wait behind (fair order, `_work_ahead`) / drain rate of its meter;
         None when there is no queue or no rate known yet."""
         if not ahead:
             return None
