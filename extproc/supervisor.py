@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -53,10 +54,29 @@ def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (for tests and benches that run several stacks), chosen below the kernel's
     ephemeral range: a port from bind(0) is an ephemeral one, which any outbound connection (Envoy to a replica, a
     client) may take as its source port before the component given it binds (a sidecar failed to start so in a
-    CI run). Below that range only another listener can take it, and the bind here checks for that."""
+    CI run). Below that range only another listener can take it, and the bind here checks for that. Ports handed
+    out earlier in this process are not handed out again (until every one has been): a component may not have
+    bound its port yet when the next stack asks for ports (a simulator failed to start so in a CI run)."""
     low = _ephemeral_low()
     first = max(1024, low - 12000)
-    candidates = list(range(first, low))
+    with _ISSUED_LOCK:
+        candidates = [p for p in range(first, low) if p not in _ISSUED]
+        if len(candidates) < n:
+            _ISSUED.clear()
+            candidates = list(range(first, low))
+        ports = _bindable(candidates, n)
+        _ISSUED.update(ports)
+    if len(ports) < n:
+        raise RuntimeError(f"fewer than {n} free loopback ports in {first}-{low - 1}")
+    return ports
+
+
+_ISSUED: set[int] = set()  # ports free_ports handed out in this process
+_ISSUED_LOCK = threading.Lock()
+
+
+def _bindable(candidates: list[int], n: int) -> list[int]:
+    """Up to n of `candidates`, in random order, that a loopback listener could bind now."""
     rng = random.Random()
     rng.shuffle(candidates)
     socks: list[socket.socket] = []
@@ -76,8 +96,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-    if len(ports) < n:
-        raise RuntimeError(f"fewer than {n} free loopback ports in {first}-{low - 1}")
     return ports
 
 
