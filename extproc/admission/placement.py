@@ -278,7 +278,7 @@ class Placer:
             return LANE
         if self._over_concurrency(r, w):
             return CONCURRENCY
-        if r.engine.waiting > pol.max_waiting_per_replica:
+        if r.engine_queue() > pol.max_waiting_per_replica:
             return QUEUE_FULL
         if prompt is None:
             prompt = req.prompt_tokens
@@ -433,7 +433,7 @@ class Placer:
             s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens - held) / cap
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
-        return s + pol.score_waiting_weight * r.engine.waiting
+        return s + pol.score_waiting_weight * r.engine_queue()
 
     def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:
         """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now (`waited`: seconds
@@ -513,10 +513,11 @@ class Placer:
             g = self.growth[r] = KvGrowth()
         return g
 
-    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None) -> None:
+    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None,
+                answered: bool = False) -> None:
         if growth is not None:
             self._ledger(r).remove(growth)
-        r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held)
+        r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held, answered)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.release(r, req)
         r.lane_inflight[lane] -= 1
@@ -524,12 +525,14 @@ class Placer:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
 
     def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int,
-             growth: Growth | None = None) -> tuple[int, Growth | None]:
+             growth: Growth | None = None, answered: bool = False) -> tuple[int, Growth | None]:
         """The request was served by `to`, not by `r` where it was placed (the gateway walked down the pin list):
         its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
-        self.release(r, req, lane, epoch, growth)
+        self.release(r, req, lane, epoch, growth, answered)
         req.prefix_held = 0  # what `to`'s requests in flight hold of its prefix is not known
         to.place(req.total_tokens, req.prompt_tokens)
+        if answered:
+            to.answered(req.total_tokens, req.prompt_tokens)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1

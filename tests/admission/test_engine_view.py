@@ -150,6 +150,8 @@ def _fill_interval(p, r, at: float, finish: bool) -> int:
         growth = p.commit(r, req(prompt=20, out=4), 0, at)
         if finish:
             p.release(r, req(prompt=20, out=4), 0, r.scrape_epoch, growth)
+        else:
+            r.answered(24, 20)  # the engine took it in and answered: it shows it, or it ended there
         n += 1
     return n
 
