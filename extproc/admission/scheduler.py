@@ -193,6 +193,7 @@ class Scheduler:
         self.m.estimate_factor(factor)
         rate = self.prefill.update(replicas, now)
         self.placer.rate = rate
+        self.placer.rate_prompt = self.prefill.measured_prompt
         self.m.prefill_rate(rate)
         self.placer.decode_s = self.decode.update(replicas)
         self.seq_cap.update(replicas)
