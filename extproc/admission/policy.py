@@ -92,8 +92,8 @@ class AdmissionPolicy:
     score_kv_weight: float = 1.0          # score term: this x the replica's KV fraction after placing
     score_waiting_weight: float = 0.5     # score term: this x the engine's waiting requests
     score_inflight_weight: float = 1.0    # score term: this x the replica's requests in flight (with the new one)
-                                          # / the requests it may run: each sequence costs a decode slot however
-                                          # little KV it holds, so equal requests spread over equal replicas
+                                          # / its max sequences (at least 64): each sequence costs a decode slot
+                                          # however little KV it holds, so equal requests spread over equal replicas
 
     def lane_for(self, prefill_s: float) -> int:
         """The first lane whose bound holds a prompt of `prefill_s` predicted seconds of prefill."""
