@@ -37,15 +37,16 @@ where the uncached prompt is prompt - confidence x cached tokens of its prefix t
 KV blocks: a prompt shorter than a block shares none): the prefix term, which makes requests that share a prefix
 go where it is cached while that replica has headroom.
 
-The in-flight term counts this sidecar's requests on the replica and the others' (shared through Redis) against
-its max sequences (max_concurrency_per_replica, else the engine's learned max_num_seqs, at least
-UNSCRAPED_CONCURRENCY: `_sequence_scale`): every sequence takes a decode slot and lengthens each engine step,
-however little KV it holds. The KV term alone lets a replica running a short request score almost as an idle one (once scraped, it
-holds one block), and a prefix its requests hold makes the next copy cheaper there still, so identical short
-prompts (a health probe, a templated one-liner) gathered on one replica while another was idle. With it, equal
-requests spread over equal replicas, and a cached prefix stays where it is while its saving (its prefill time
-over the TTFT target) outweighs the replica's extra sequences: a 4,000-token prefix at 10,000 tokens/s and a 2 s
-target is worth 0.2, a dozen sequences of a 64-sequence engine, before it spills (PX).
+The in-flight term counts this sidecar's requests on the replica and the others' (shared through Redis) against its
+max sequences (max_concurrency_per_replica, else the engine's learned max_num_seqs, at least UNSCRAPED_CONCURRENCY:
+`_sequence_scale`): every sequence takes a decode slot and lengthens each engine step, however little KV it holds.
+The KV term alone lets a replica running a short request score almost as an idle one (once scraped, it holds one
+block), and a prefix its requests hold makes the next copy cheaper there still, so identical short prompts (a health
+probe, a templated one-liner) gathered on one replica while another was idle. With it, equal requests spread over
+equal replicas, and a cached prefix stays where it is while its saving (its prefill time over the TTFT target)
+outweighs the replica's extra sequences: a 4,000-token prefix at 10,000 tokens/s and a 2 s target is worth 0.2, a
+dozen sequences of a 64-sequence engine, before it spills (PX).
+
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
 
 A confined lane's share counts replicas *prefilling* its prompts (predicted from the prefill backlog), not

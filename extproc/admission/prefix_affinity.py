@@ -69,8 +69,8 @@ look nearly free on the replica already running one (with the prefix term, cheap
 and identical short prompts gathered on one replica.
 
 A hot prefix does not melt its replica: that replica's backlog, KV (its requests' tails and outputs), requests in
-flight (the score's in-flight term), engine queue and concurrency rise like any other's, and once it no longer fits or its score passes another replica's,
-the prefix spills there, which then caches it too.
+flight (the score's in-flight term), engine queue and concurrency rise like any other's, and once it no longer
+fits or its score passes another replica's, the prefix spills there, which then caches it too.
 """
 
 from __future__ import annotations
