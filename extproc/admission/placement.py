@@ -8,7 +8,8 @@ A replica fits a request when, with the request added, it stays within every lim
           while the new request would run (`kv_committed`, kv_growth.py: no preemption when gateways place long
           generations, PG / P9). Not a lifetime reservation: a stream whose client reads slowly holds nothing in
           an engine that finished it (P13)
-  queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
+  queue   the engine's own waiting queue, with the requests it has not counted yet (`Replica.engine_queue`),
+          <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
           the cap learned from the engine (seq_cap.py); unknown, at most double per scrape interval what the
           engine showed or what the replica recently took (`_over_concurrency`, P12). An explicit
@@ -28,7 +29,7 @@ A replica fits a request when, with the request added, it stays within every lim
           replica with stale metrics counts as saturated
 Among fitting replicas the lowest score wins:
   score = (prefill backlog + uncached prompt) / prefill rate / TTFT target
-          + kv_weight x KV fraction after placing + waiting_weight x engine waiting
+          + kv_weight x KV fraction after placing + waiting_weight x engine queue (waiting + not counted yet)
           + inflight_weight x (requests in flight there + 1) / max sequences
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)

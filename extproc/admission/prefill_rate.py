@@ -153,9 +153,9 @@ class PrefillRate:
 
 def _without_outliers(rates: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
     """(learned rate, speed, mean prompt measured with) of the healthy replicas, less those whose learned rate is
-    under 1 / OUTLIER of the median of the others': a replica that prefills several times slower than its peers is sick (health degrades
-    it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's gate to the sick
-    one's speed until then (P8: one engine 20x slower)."""
+    under 1 / OUTLIER of the median of the others': a replica that prefills several times slower than its peers is
+    sick (health degrades it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's
+    gate to the sick one's speed until then (P8: one engine 20x slower)."""
     if len(rates) < 2:
         return rates
     kept = []
