@@ -11,8 +11,10 @@ normal client (the openai SDK, a new connection per try) asks for a chat complet
   closed       when Envoy had closed every silent connection (the bar: by the headers timeout after the last connect,
                plus a small margin)
   Envoy RSS    (VmRSS from /proc) before the flood, at its peak, and after every silent connection is closed; the
-               bar: back within 10% of where it started, within a bounded settle time (tcmalloc hands freed pages
-               back in the background, see extproc/xds.py `render_bootstrap`)
+               bar: back within 10% of where it started, within a bounded settle time (`--settle-s`; "after" is the
+               first reading within the bar, or the last one). tcmalloc returns free pages above its soft limit
+               (extproc/xds.py `render_bootstrap`) and its per-CPU caches give back the freed small objects
+               (`envoy_environment`)
 
 The test process and Envoy (which inherits it) need one file descriptor per connection: RLIMIT_NOFILE is raised for
 this process before the stack starts, and it is an error (never a skip) if it cannot be. Every loop here is bounded
