@@ -92,6 +92,8 @@ def test_ten_thousand_silent_connections_leave_a_client_served(flooded: dict[str
     client = flooded["client"]
     assert client["served"], client
     assert client["latency_s"] < FLOOD_HEADERS_TIMEOUT_S, client
+    assert client["refused_tries"] > 0, "the gateway was not full when the client tried"
+    assert flooded["refused_at_accept"] == client["refused_tries"], "Envoy refused a silent connection too"
     assert flooded["still_open_at_deadline"] == 0, flooded
 
 
