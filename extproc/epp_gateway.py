@@ -108,7 +108,7 @@ class EppGateway(Gateway):
         to = st.pool.by_address(served)
         if to is None:
             return  # not one of the pool's replicas as sluice knows it: nothing to move to
-        self._count_inflight(to)  # its gauges read its own accounting from now on
+        self.gauges.count_replica(to)  # its gauges read its own accounting from now on
         if p.owner is not None:
             p.epoch, p.growth = p.owner.placer.move(p.replica, to, req, p.lane, p.epoch, p.growth)
         else:  # admission off: plain accounting

@@ -29,6 +29,7 @@ from extproc.fleet import Fleet
 from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, HeaderRoom, read_head, to_int
 from extproc.identity import Identity, UnknownKey
 from extproc.inflight import InFlight
+from extproc.live_gauges import LiveGauges
 from extproc.request import ENDPOINTS, BadRequest, LLMRequest, parse_body
 from extproc.routing.pool import Pool, Replica
 from extproc.stream import Hold, State, Stream
@@ -71,9 +72,8 @@ class Gateway:
         # Envoy streams its whole access log to one sidecar worker, so only a lone worker learns the end of every
         # request it forwarded: with several workers a forwarded request keeps its ext_proc stream until it ends.
         self.detaches = policy.sidecar.workers == 1
-        self._tenant_gauges: dict[str, object] = {}
-        self._counted_replicas: set[Replica] = set()
-        self.fleet.on_removed.append(self._forget_replica)
+        self.gauges = LiveGauges(self._tenant_label)
+        self.fleet.on_removed.append(self.gauges.forget_replica)
 
     # The Fleet's, by pool, for the decisions below (a reload rebuilds them in place).
     pools = property(lambda self: self.fleet.pools)
@@ -111,31 +111,6 @@ class Gateway:
     def _tenant_label(self, tenant: str) -> str:
         """The bounded tenant label of the current identity policy (it is replaced on reload)."""
         return self.identity.label(tenant)
-
-    def _tenant_gauge(self, tenant: str) -> object:
-        label = self.identity.label(tenant)
-        g = self._tenant_gauges.get(label)
-        if g is None:
-            g = self._tenant_gauges[label] = m.TENANT_OPEN_STREAMS.labels(label)
-        return g
-
-    def _count_inflight(self, r: Replica) -> None:
-        """sluice_inflight_requests / _tokens of a replica read its own exact accounting when Prometheus scrapes
-        (bound once, at its first placement): no gauge arithmetic per request."""
-        if r not in self._counted_replicas:
-            self._counted_replicas.add(r)
-            m.INFLIGHT_REQUESTS.labels(r.pool, r.address).set_function(lambda: r.inflight_requests)
-            m.INFLIGHT_TOKENS.labels(r.pool, r.address).set_function(lambda: r.inflight_tokens)
-
-    def _forget_replica(self, r: Replica) -> None:
-        """A replica left its pool (reload, discovery): its in-flight series go with it."""
-        if r in self._counted_replicas:
-            self._counted_replicas.discard(r)
-            for gauge in (m.INFLIGHT_REQUESTS, m.INFLIGHT_TOKENS):
-                try:
-                    gauge.remove(r.pool, r.address)
-                except KeyError:
-                    pass
 
     # ---- request head ------------------------------------------------------------------------------------
     def open_stream(self) -> Stream:
@@ -216,7 +191,7 @@ class Gateway:
                 429, f"tenant {req.tenant!r} has {self.identity.stream_limit(req.tenant)} requests open, its limit",
                 "tenant_stream_limit", retry_after_s=1.0, should_retry=True))
         st.take(Hold.TENANT_STREAM)
-        self._tenant_gauge(req.tenant).inc()
+        self.gauges.tenant_open_streams(req.tenant).inc()
         try:
             budgets = self.budgets
             try:
@@ -274,7 +249,7 @@ class Gateway:
         st.placement = placement
         st.take(Hold.PLACEMENT)
         st.move(FORWARDED)
-        self._count_inflight(placement.replica)
+        self.gauges.count_replica(placement.replica)
         timeout_ms = None
         if req.client_timeout_s is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
@@ -416,7 +391,7 @@ class Gateway:
             st.charge = None
         if holds & Hold.TENANT_STREAM:
             self.identity.close(req.tenant)
-            self._tenant_gauge(req.tenant).dec()
+            self.gauges.tenant_open_streams(req.tenant).dec()
         if holds & Hold.OPEN_REQUEST:
             self.open_requests -= 1
         if holds & Hold.OPEN_STREAM:

@@ -29,11 +29,24 @@ A replica fits a request when, with the request added, it stays within every lim
 Among fitting replicas the lowest score wins:
   score = (prefill backlog + uncached prompt) / prefill rate / TTFT target
           + kv_weight x KV fraction after placing + waiting_weight x engine waiting
+          + inflight_weight x (requests in flight there + 1) / max sequences
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
-where the uncached prompt is prompt - confidence x cached tokens of its prefix there (prefix_affinity.py): the
-prefix term, which makes requests that share a prefix go where it is cached while that replica has headroom.
+where the uncached prompt is prompt - confidence x cached tokens of its prefix there (prefix_affinity.py, in whole
+KV blocks: a prompt shorter than a block shares none): the prefix term, which makes requests that share a prefix
+go where it is cached while that replica has headroom.
+
+The in-flight term counts this sidecar's requests on the replica and the others' (shared through Redis) against its
+max sequences (max_concurrency_per_replica, else the engine's learned max_num_seqs, at least UNSCRAPED_CONCURRENCY:
+`_sequence_scale`): every sequence takes a decode slot and lengthens each engine step, however little KV it holds.
+The KV term alone lets a replica running a short request score almost as an idle one (once scraped, it holds one
+block), and a prefix its requests hold makes the next copy cheaper there still, so identical short prompts (a health
+probe, a templated one-liner) gathered on one replica while another was idle. With it, equal requests spread over
+equal replicas, and a cached prefix stays where it is while its saving (its prefill time over the TTFT target)
+outweighs the replica's extra sequences: a 4,000-token prefix at 10,000 tokens/s and a 2 s target is worth 0.2, a
+dozen sequences of a 64-sequence engine, before it spills (PX).
+
 The pin list is the winner and the runner-up (Envoy tries them in order, one per attempt).
 
 A confined lane's share counts replicas *prefilling* its prompts (predicted from the prefill backlog), not
@@ -321,6 +334,14 @@ class Placer:
                 self.policy.max_waiting_per_replica
         return r.placed_since_scrape_requests >= max(PROBE_BASE, int(seen * w), 2 * r.placed_last_epoch_requests)
 
+    def _sequence_scale(self, r: Replica) -> int:
+        """What the score's in-flight term counts a replica's requests against: the explicit
+        max_concurrency_per_replica, else the engine's learned max_num_seqs, but never less than
+        UNSCRAPED_CONCURRENCY. A cap is learned from a few saturated scrapes, and a long prefill filling a step's token
+        budget looks the same for a while (PX learned caps of 1 to 5 on 64-sequence engines, dropped again seconds
+        later): as a gate that costs a scrape interval, as a divisor it made each request outweigh a cached prefix."""
+        return self.policy.max_concurrency_per_replica or max(r.max_num_seqs, UNSCRAPED_CONCURRENCY)
+
     def _concurrency_bound(self, r: Replica) -> int:
         """Requests the replica may run: the explicit limit, else its engine's learned cap, else the default."""
         return self.policy.max_concurrency_per_replica or r.max_num_seqs or UNSCRAPED_CONCURRENCY
@@ -435,6 +456,7 @@ class Placer:
             s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens - held) / cap
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
+        s += pol.score_inflight_weight * (r.inflight_requests + r.shared_requests + 1) / self._sequence_scale(r)
         return s + pol.score_waiting_weight * r.engine.waiting
 
     def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:

@@ -94,6 +94,9 @@ class AdmissionPolicy:
                                           # the engines' prefix-cache hit counters (admission/prefix_affinity.py)
     score_kv_weight: float = 1.0          # score term: this x the replica's KV fraction after placing
     score_waiting_weight: float = 0.5     # score term: this x the engine's waiting requests
+    score_inflight_weight: float = 1.0    # score term: this x the replica's requests in flight (with the new one)
+                                          # / its max sequences (at least 64): each sequence costs a decode slot
+                                          # however little KV it holds, so equal requests spread over equal replicas
 
     def lane_for(self, prefill_s: float) -> int:
         """The first lane whose bound holds a prompt of `prefill_s` predicted seconds of prefill."""
@@ -111,6 +114,7 @@ class AdmissionPolicy:
         require(0 <= self.kv_margin < 1, f"{path}.kv_margin", "must be in [0, 1)")
         positive(self, path, "prefill_tokens_per_s", "ttft_target_s", "decode_s_per_token")
         require(self.max_concurrency_per_replica >= 0, f"{path}.max_concurrency_per_replica", "must be >= 0")
+        require(self.score_inflight_weight >= 0, f"{path}.score_inflight_weight", "must be >= 0")
         require(all(w > 0 for w in self.tenant_weights.values()), f"{path}.tenant_weights", "must be > 0")
         share(self, path, "tenant_prefill_share")
         require(0 <= self.tenant_backlog_share <= 1, f"{path}.tenant_backlog_share",

@@ -15,7 +15,12 @@ Where it may be cached: `PrefixAffinity` remembers, per level hash, the replicas
 KEEP most recent) in LRU order, at most MAX_ENTRIES hashes. The longest level a replica holds predicts the
 prompt tokens its engine will find cached:
 
-    cached(r) = characters of that level x prompt tokens / prompt characters  (x OLDER_HOLDER, below)
+    cached(r)   = reusable(characters of that level x prompt tokens / prompt characters)  (x OLDER_HOLDER, below)
+    reusable(t) = floor(min(t, prompt - 1) / block) x block
+
+An engine reuses whole KV blocks only (vLLM: `block_size` of `vllm:cache_config_info`, 16 on GPUs, 128 on the
+CPU backend; an engine that exports none is taken to share to the token, as SGLang's radix cache does), and
+computes at least a prompt's last token: a prompt shorter than a block shares nothing, however often it is sent.
 
 Whether it is cached (confirmed, never assumed from the hash): each placement adds its predicted cached tokens
 (cached(r), with the holder's credit) to the replica's tally, and each scrape adds the engine's own prefix-cache
@@ -48,8 +53,8 @@ Headroom counts the prefix once. Requests in flight on a replica that share a pr
 engine, so a request adds to that replica's KV only what its in-flight neighbours do not already hold:
 
     footprint(r) = prompt + expected output - held(r)
-    held(r)      = confidence(r) x characters of the longest level held by a request in flight on r
-                   x prompt tokens / prompt characters
+    held(r)      = confidence(r) x reusable(characters of the longest level held by a request in flight on r
+                                           x prompt tokens / prompt characters)
 
 (`held_tokens`; a level is held from the placement of a request carrying it until that request ends). A prefix
 whose blocks are cached but idle is not held: vLLM counts idle cached blocks as free
@@ -59,9 +64,13 @@ instead made a replica serving one app's 6,000-token prompt look full after thre
 it and the app's next requests were computed cold on the other replica (PX: KV refusals were the commonest
 reason, hit rate 0.77 of the best achievable).
 
-A hot prefix does not melt its replica: that replica's backlog, KV (its requests' tails and outputs), engine
-queue and concurrency rise like any other's, and once it no longer fits or its score passes another replica's,
-the prefix spills there, which then caches it too.
+In whole blocks, as the engine shares them: counted to the token, a held prefix made each copy of a short prompt
+look nearly free on the replica already running one (with the prefix term, cheaper there than on an idle replica),
+and identical short prompts gathered on one replica.
+
+A hot prefix does not melt its replica: that replica's backlog, KV (its requests' tails and outputs), requests in
+flight (the score's in-flight term), engine queue and concurrency rise like any other's, and once it no longer
+fits or its score passes another replica's, the prefix spills there, which then caches it too.
 """
 
 from __future__ import annotations
@@ -78,6 +87,18 @@ MIN_EVIDENCE = 2048.0  # predicted cached tokens needed before the counters are 
 HALF_EVIDENCE = 32_768.0  # predicted tokens after which a past prediction and its hits count half (the memory)
 SURPLUS = 2.0          # hits remembered beyond the predictions, at most this x them (late hits, below)
 OLDER_HOLDER = 0.5     # a level's holders other than its most recent placement count this share of it cached
+
+
+def reusable_tokens(shared: float, prompt_tokens: int, block_tokens: int) -> float:
+    """Of `shared` tokens a prompt has in common with what an engine holds, the ones the engine reuses: whole KV
+    blocks of `block_tokens` (0: to the token), never the prompt's last token (vLLM computes at least one).
+
+        reusable = floor(min(shared, prompt - 1) / block) x block
+    """
+    n = min(shared, prompt_tokens - 1.0)
+    if n <= 0:
+        return 0.0
+    return float(int(n // block_tokens) * block_tokens) if block_tokens > 1 else n
 
 
 @dataclass(slots=True)
@@ -103,7 +124,8 @@ class PrefixAffinity:
 
     # ---- the hot path ------------------------------------------------------------------------------------
     def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
-        """Per replica, the prompt tokens expected cached there: confidence x the longest level it holds."""
+        """Per replica, the prompt tokens expected cached there: confidence x the longest level it holds, in whole
+        blocks (`reusable_tokens`)."""
         chain = req.prefix_chain
         if not chain or not self.where or not req.prompt_chars:
             return {}
@@ -119,12 +141,14 @@ class PrefixAffinity:
                 if r not in out:
                     t = self.tally.get(r.address)
                     if t is not None and t.confidence > 0:
-                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char * (1.0 if r is latest else OLDER_HOLDER)
+                        shared = reusable_tokens(PREFIX_LADDER[i] * per_char, req.prompt_tokens, r.kv_block_tokens)
+                        out[r] = t.confidence * shared * (1.0 if r is latest else OLDER_HOLDER)
         return out
 
     def held_tokens(self, req: LLMRequest) -> dict[Replica, float]:
         """Per replica, the prompt tokens its requests in flight already hold in KV: confidence x the longest level
-        of `req`'s prefix carried by one of them (0 / absent: none, or no confirmed prefix cache there)."""
+        of `req`'s prefix carried by one of them, in whole blocks (0 / absent: none, or no confirmed prefix cache
+        there)."""
         chain = req.prefix_chain
         held = self.held
         if not chain or not held or not req.prompt_chars:
@@ -139,7 +163,8 @@ class PrefixAffinity:
                 if r not in out:
                     t = self.tally.get(r.address)
                     if t is not None and t.confidence > 0:
-                        out[r] = t.confidence * PREFIX_LADDER[i] * per_char
+                        out[r] = t.confidence * reusable_tokens(PREFIX_LADDER[i] * per_char, req.prompt_tokens,
+                                                                r.kv_block_tokens)
         return out
 
     def hold(self, r: Replica, req: LLMRequest) -> None:
@@ -199,7 +224,8 @@ class PrefixAffinity:
             placed = self.where.get(chain[i])
             if placed is not None and r in placed:
                 credit = 1.0 if r is next(reversed(placed)) else OLDER_HOLDER
-                return credit * PREFIX_LADDER[i] * req.prompt_tokens / req.prompt_chars
+                level_tokens = PREFIX_LADDER[i] * req.prompt_tokens / req.prompt_chars
+                return credit * reusable_tokens(level_tokens, req.prompt_tokens, r.kv_block_tokens)
         return 0.0
 
     # ---- the engines' counters ---------------------------------------------------------------------------

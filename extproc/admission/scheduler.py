@@ -473,9 +473,10 @@ class Scheduler:
         return not any(r.routable for r in self.pool.replicas)
 
     def retry_after(self, lane: int, now: float) -> float:
-        """How long until the queue ahead would drain at the recent dispatch rate (0.2 s .. 60 s)."""
+        """How long until the queue ahead would drain at the recent dispatch rate (0.2 s .. 60 s): the waiters of
+        every lane on `lane`'s meter, since they drain at that meter's rate (`drain_rate`), divided by it."""
         rate = self.drain_rate(lane, now)
-        ahead = len(self.queues[lane]) + 1
+        ahead = self._metered_waiting(lane) + 1
         if rate <= 0:
             return 1.0
         return self._clamp_retry_after(ahead / rate)

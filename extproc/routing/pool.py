@@ -36,6 +36,7 @@ class EngineState:
     waiting: int = 0
     preemptions_total: float = 0.0
     kv_capacity_tokens: int = 0         # from vllm:cache_config_info (blocks x block size), 0 = unknown
+    kv_block_tokens: int = 0            # its block_size: prefixes are shared in whole blocks; 0 = unknown
     ttft_p95_s: float = 0.0             # over the recent window (histogram bucket deltas)
     ttft_count_window: float = 0.0      # how many first tokens that window held
     generation_tps: float = 0.0         # tokens/s generated over the recent window
@@ -58,6 +59,8 @@ class Replica:
     address: str
     pool: str
     kv_capacity_tokens: int = 0         # policy value or scraped; 0 = unknown (KV headroom not enforced)
+    kv_block_tokens: int = 0            # scraped KV block size; 0 = unknown (a prefix is shared to the token,
+                                        # as SGLang's radix cache does)
     max_num_seqs: int = 0               # the engine's cap on requests it runs at once, learned by admission
                                         # (admission/seq_cap.py); 0 = not known
     # this sidecar's own accounting, exact
@@ -137,6 +140,8 @@ class Replica:
         self.shared_at_scrape = self.shared_tokens
         if engine.kv_capacity_tokens:
             self.kv_capacity_tokens = engine.kv_capacity_tokens
+        if engine.kv_block_tokens:
+            self.kv_block_tokens = engine.kv_block_tokens
         if engine.running + engine.waiting > 0 and engine.prompt_tps > 0:
             self.busy_prompt_tps = engine.prompt_tps
 

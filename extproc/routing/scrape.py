@@ -96,8 +96,8 @@ class Parsed:
 
     __slots__ = ("running", "waiting", "kv_usage", "preemptions", "generation_tokens", "prompt_tokens",
                  "generation_tps_gauge", "kv_capacity_tokens", "prefix_queries", "prefix_hits", "cache_hit_rate",
-                 "ttft_bounds", "ttft_cum", "ttft_count", "finished", "errors", "cache_info_tokens", "itl_sum",
-                 "itl_count")
+                 "ttft_bounds", "ttft_cum", "ttft_count", "finished", "errors", "cache_info_tokens",
+                 "cache_block_tokens", "itl_sum", "itl_count")
 
     def __init__(self) -> None:
         self.running = self.waiting = self.kv_usage = self.preemptions = None
@@ -109,6 +109,7 @@ class Parsed:
         self.finished: dict[str, float] = {}   # finished_reason -> count
         self.errors: float | None = None
         self.cache_info_tokens: int | None = None  # block_size x num_gpu_blocks (summed over engines)
+        self.cache_block_tokens: int | None = None  # block_size: the engine shares a prompt's prefix in whole blocks
         self.itl_sum: float | None = None      # the inter-token latency histogram's _sum and _count
         self.itl_count: float | None = None
 
@@ -127,7 +128,8 @@ _FRACTIONS = frozenset(("kv_usage", "cache_hit_rate"))
 class _Acc:
     """Accumulators of one parse."""
 
-    __slots__ = ("vals", "prio", "nvals", "buckets", "bucket_prio", "finished", "cache_tokens", "cache_seen")
+    __slots__ = ("vals", "prio", "nvals", "buckets", "bucket_prio", "finished", "cache_tokens", "cache_seen",
+                 "block_tokens")
 
     def __init__(self) -> None:
         self.vals: dict[str, float] = {}
@@ -138,6 +140,7 @@ class _Acc:
         self.finished: dict[bytes, float] = {}
         self.cache_tokens = 0
         self.cache_seen = False
+        self.block_tokens = 0
 
 
 def _label(labels: bytes, key: bytes) -> bytes | None:
@@ -269,6 +272,7 @@ class MetricsParser:
                 bs, nb = _label(labels, b"block_size"), _label(labels, b"num_gpu_blocks")
                 try:
                     acc.cache_tokens += int(bs) * int(nb)  # type: ignore[arg-type]
+                    acc.block_tokens = max(acc.block_tokens, int(bs))  # type: ignore[arg-type]
                     acc.cache_seen = True
                 except (TypeError, ValueError):  # "None" before the engine profiled its memory
                     pass
@@ -301,6 +305,7 @@ class MetricsParser:
             out.errors = sum(v for k, v in acc.finished.items() if k in self._errors)
         if acc.cache_seen:
             out.cache_info_tokens = acc.cache_tokens
+            out.cache_block_tokens = acc.block_tokens
         return out
 
     def _histogram(self, buckets: dict[bytes, float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -493,6 +498,7 @@ def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> Sc
         waiting=int(p.waiting or 0),
         preemptions_total=p.preemptions or 0.0,
         kv_capacity_tokens=cap,
+        kv_block_tokens=p.cache_block_tokens or 0,
         errors_total=p.errors or 0.0,
         scrape_failures=0,
         restarted=restarted,

@@ -255,3 +255,25 @@ async def test_a_request_that_cannot_start_within_the_slo_is_shed_at_once_with_r
         for _ in range(20):
             s.submit(req(prompt=100, out=10), 0.4)
     assert exc.value.status == 429 and exc.value.should_retry and exc.value.retry_after_s > 0
+
+
+# ---- the in-flight term: each sequence counts, however little KV it holds ----------------------------------
+@pytest.mark.parametrize("scrape_after", [4, 7, 10])
+def test_equal_requests_spread_when_a_scrape_lands_mid_burst(scrape_after: int):
+    """Twelve equal requests over three equal replicas, one replica scraped mid-burst: the engine shows its
+    requests' prompts only (their outputs are still to come), while the others count full footprints placed since
+    their scrapes. By KV alone the scraped replica looked emptier and took a fifth request ([3, 4, 5] in a CI run
+    of the e2e spread test); counting the requests in flight against the sequences a replica may run keeps 4 each."""
+    p = placer(n=3, kv_capacity_tokens=65_536)
+    for r in p.pool.replicas:
+        scrape(r, 0.5, kv_block_tokens=128)
+    for i in range(12):
+        now = 1.0 + 0.01 * i
+        if i == scrape_after:
+            first = p.pool.replicas[0]
+            n = first.inflight_requests
+            scrape(first, now, running=n, kv_usage=n * 256 / 65_536, kv_block_tokens=128)
+        q = req(prompt=190, out=400)
+        pins = p.choose(q, 0, now)
+        p.commit(pins[0], q, 0, now)
+    assert [r.inflight_requests for r in p.pool.replicas] == [4, 4, 4]

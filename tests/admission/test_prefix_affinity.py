@@ -6,12 +6,13 @@ import random
 import pytest
 
 from extproc.admission.placement import KV_FULL
-from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity
+from extproc.admission.placement import Placer
+from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity, reusable_tokens
 from extproc.request import PREFIX_LADDER, PREFIX_STEP, LLMRequest, prefix_chain
 from extproc.routing.pool import Replica
 from extproc.routing.scrape import ScrapedState
 
-from .placing import placer
+from .placing import place, placer
 
 SYSTEM = "".join(random.Random(7).choice("abcdefgh ") for _ in range(16_000))  # about 4,000 tokens
 OTHER = "".join(random.Random(8).choice("abcdefgh ") for _ in range(16_000))  # another app's system prompt
@@ -300,3 +301,57 @@ def test_requests_placed_since_the_scrape_count_a_prefix_they_share_once():
     p.release(home, second, 1, home.scrape_epoch)
     p.release(home, first, 1, home.scrape_epoch)
     assert home.placed_since_scrape_prompt_tokens == home.placed_since_scrape_tokens == 0
+
+
+def test_a_prefix_is_reused_in_whole_blocks_and_never_to_the_prompts_last_token():
+    assert reusable_tokens(300.0, 1000, 128) == 256
+    assert reusable_tokens(100.0, 1000, 128) == 0  # shorter than a block: nothing shared
+    assert reusable_tokens(256.0, 256, 128) == 128  # the whole prompt: its last token is computed
+    assert reusable_tokens(300.5, 1000, 0) == 300.5  # no block size exported: to the token (SGLang)
+    assert reusable_tokens(50.0, 1, 16) == 0
+
+
+TEMPLATE = "".join(random.Random(9).choice("abcdefgh ") for _ in range(600))  # a templated one-liner, ~150 tokens
+
+
+def warm_pool(n: int, block: int = 128) -> Placer:
+    """`n` idle equal replicas (64 sequences each) whose engines' counters confirmed prefix caching."""
+    p = placer(n=n, max_concurrency_per_replica=64)
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0, kv_block_tokens=block)
+    p.prefix.on_scrape(p.pool.replicas)
+    for r in p.pool.replicas:
+        confirmed(p.prefix, r)
+        r.prefill_backlog = 0.0
+    assert all(r.kv_block_tokens == block for r in p.pool.replicas)
+    return p
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("prompt", ["identical", "templated"])
+def test_equal_short_prompts_spread_over_idle_equal_replicas(n: int, prompt: str):
+    """A replica running one copy of a short prompt holds little KV, and the prefix block its copy holds makes the
+    next copy a little cheaper there: without the in-flight term every copy went to the first replica while the
+    others sat idle. Each sequence takes a decode slot, so equal requests spread."""
+    p = warm_pool(n)
+    placed = {r: 0 for r in p.pool.replicas}
+    for i in range(4 * n):
+        q = req(system=TEMPLATE, user="" if prompt == "identical" else f"row {i}")
+        placed[place(p, q, 0, 10.0)] += 1
+    assert sorted(placed.values()) == [4] * n, placed
+
+
+def test_a_long_shared_prefix_still_goes_where_it_is_held_beside_idle_replicas():
+    """Sharing a 4,000-token prefix saves far more prefill than a few sequences cost: its requests stay on the
+    replica that holds it while it has headroom (PX), and spill once its sequences outweigh the saving."""
+    p = warm_pool(3)
+    home = p.pool.replicas[1]
+    earlier = req(system=OTHER, user="earlier")
+    p.prefix.record(home, earlier, 0.0, 5.0)  # it ran there and ended: cached, idle
+    p.prefix.release(home, earlier)
+    place_on = []
+    for i in range(40):
+        place_on.append(place(p, req(system=OTHER, user=f"question {i}"), 1, 10.0))
+        if place_on[-1] is not home:
+            break
+    assert len(place_on) > 8 and all(r is home for r in place_on[:-1]) and place_on[-1] is not home

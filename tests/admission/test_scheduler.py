@@ -76,6 +76,23 @@ async def test_queue_full_sheds_with_retry_after():
     assert exc.value.should_retry is True
 
 
+
+async def test_retry_after_counts_the_waiters_of_every_lane_sharing_the_meter():
+    """The short and normal lanes share the pool's meter: a normal request waits behind the short lane's
+    waiters as well, so its Retry-After is their count over the shared drain rate, not its own lane's."""
+    s = make(n_replicas=1, max_concurrency_per_replica=1)
+    short, normal = 0, 1
+    assert s.meter[short] == s.meter[normal]
+    assert isinstance(s.submit(req(), 0.0), Placement)
+    for _ in range(4):
+        assert isinstance(s.submit(req(), 0.0), Waiter)
+    for t in (0.5, 1.0, 1.5, 2.0):
+        s.drain[s.meter[normal]].tick(t)
+    rate = s.drain_rate(normal, 2.0)
+    assert rate > 0
+    assert s.retry_after(normal, 2.0) == pytest.approx(s.retry_after(short, 2.0))
+    assert s.retry_after(normal, 2.0) == pytest.approx(5 / rate)
+
 async def test_higher_priority_evicts_sheddable_when_full():
     s = make(n_replicas=1, max_concurrency_per_replica=1,
              lanes=[{"name": "all", "max_prefill_of_target": 1e6, "max_queue": 1}])

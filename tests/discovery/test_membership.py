@@ -107,7 +107,7 @@ async def test_a_removed_replica_drains_its_requests_then_leaves_the_pool():
     assert _weight_gauge(A) is not None
     gw.close(on_a[-1])  # its last request ends: A leaves, its series with it
     assert fleet.pools[POOL].by_address(A) is None
-    assert _weight_gauge(A) is None and a not in gw._counted_replicas
+    assert _weight_gauge(A) is None and a not in gw.gauges.counted
     assert REGISTRY.get_sample_value("sluice_inflight_requests", {"pool": POOL, "replica": A}) is None
     for st in streams + later:
         gw.close(st)

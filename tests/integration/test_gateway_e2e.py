@@ -77,21 +77,22 @@ def test_models_list_comes_from_the_policy(stack: Stack):
 
 
 def test_concurrent_requests_spread_by_inflight_load(stack: Stack):
-    async def one(c: openai.AsyncOpenAI, i: int) -> str:
-        # same size, no shared prefix: identical prompts would rightly gather where their prefix is held
+    async def one(c: openai.AsyncOpenAI) -> str:
+        # identical prompts, longer than a prefix level: a prefix held by one request in flight must not draw the
+        # copies to its replica (each sequence counts in the score, and a held prefix only in whole KV blocks)
         raw = await c.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": f"{i:02d} " + "load " * 50}])
+            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "load " * 150}])
         return raw.headers["x-sim-replica"]
 
     async def run() -> list[str]:
         async with aclient(stack) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(12)))
+            return await asyncio.gather(*(one(c) for _ in range(12)))
 
     # an idle pool first: an earlier test's request holds its slots until Envoy's access log reports its end
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
     served = asyncio.run(run())
     counts = sorted(served.count(a) for a in stack.policy.default_pool.replicas)
-    # 12 equal-sized requests in flight together: least-in-flight-tokens places 4 on each replica. Each generates 400
+    # 12 equal requests in flight together: 4 on each replica. Each generates 400
     # tokens (about 2 s), so on a loaded CI machine none ends before the last one is placed (with 60 tokens,
     # early ones ended and freed their replica first: [2, 3, 7] in a CI run).
     assert counts == [4, 4, 4], counts

@@ -8,7 +8,6 @@ on free loopback ports); every process here is started by the test and stopped b
 from __future__ import annotations
 
 import contextlib
-import itertools
 import http.server
 import json
 import os
@@ -146,9 +145,6 @@ def _admitted_equals_settled_after_each_probe(request: pytest.FixtureRequest) ->
             assert_admitted_settled(value)
 
 
-_STREAM_IDS = itertools.count()
-
-
 class BackgroundStream:
     """One streaming chat request in a thread. `result` = (status or "error", data events, error name or None,
     seconds); `replica` = the x-sim-replica header. An error is also recorded when the stream ends without
@@ -166,10 +162,8 @@ class BackgroundStream:
     def _run(self, base_url: str, max_tokens: int, headers: dict, timeout: float) -> None:
         t0, events, done = time.monotonic(), 0, False
         try:
-            # each stream's own prompt: identical prompts share a prefix, and placement may rightly put them
-            # together where it is held; these tests need the spread of independent requests
             with httpx.stream("POST", base_url + "/v1/chat/completions", headers=headers, timeout=timeout,
-                              json=chat(f"{next(_STREAM_IDS)} stream", max_tokens=max_tokens, stream=True)) as resp:
+                              json=chat(max_tokens=max_tokens, stream=True)) as resp:
                 self.replica = resp.headers.get("x-sim-replica", "")
                 self.started.set()
                 for line in resp.iter_lines():

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from extproc.routing.metric_names import SGLANG, VLLM, names_for
-from extproc.routing.scrape import MetricsParser
+from extproc.routing.pool import Replica
+from extproc.routing.scrape import History, MetricsParser, build_state
 
 DATA = Path(__file__).parent / "data"
 VLLM_PAGE = (DATA / "vllm_metrics.txt").read_bytes()
@@ -36,6 +37,7 @@ def test_vllm_page_exact_values():
     assert p.finished == {"stop": 1400.0, "length": 100.0, "abort": 17.0, "error": 3.0}
     assert p.errors == 20.0  # abort + error
     assert p.cache_info_tokens == 16 * 27648
+    assert p.cache_block_tokens == 16  # prefixes are shared in whole blocks (admission/prefix_affinity.py)
     assert p.ttft_bounds == VLLM_TTFT_BOUNDS
     # 50 first tokens at 0.03 s, 40 at 0.07 s, 9 at 0.3 s, 1 at 12 s
     assert p.ttft_cum == (0, 0, 0, 0, 50, 50, 90, 90, 90, 99, 99, 99, 99, 99, 99, 99, 100, 100, 100, 100, 100, 100, 100)
@@ -59,6 +61,7 @@ def test_sglang_page_exact_values():
                              200.0, 400.0, math.inf)
     assert p.ttft_cum[:8] == (0, 20, 20, 38, 38, 38, 38, 40) and p.ttft_cum[-1] == 40
     assert p.preemptions is None and p.errors is None and p.cache_info_tokens is None
+    assert p.cache_block_tokens is None  # SGLang's radix cache shares to the token
     assert (p.itl_sum, p.itl_count) == (30.450000000000003, 30.0)
 
 
@@ -132,7 +135,11 @@ def test_data_parallel_cache_info_sums_engines():
     page = (b'vllm:num_requests_running 0\n'
             b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
             b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="50"} 1.0\n')
-    assert MetricsParser(VLLM).parse(page).cache_info_tokens == 2400
+    p = MetricsParser(VLLM).parse(page)
+    assert p.cache_info_tokens == 2400 and p.cache_block_tokens == 16
+    r = Replica(address="a:1", pool="m")
+    r.on_scrape(build_state(1.0, p, History(10.0, maxlen=8)))
+    assert (r.kv_capacity_tokens, r.kv_block_tokens) == (2400, 16)
 
 
 def test_names_for_rejects_unknown_styles():
