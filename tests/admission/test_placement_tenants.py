@@ -29,6 +29,19 @@ def place(p: Placer, r: LLMRequest, now: float) -> Replica:
     return placing.place(p, r, NORMAL, now)
 
 
+def flood_until_held(p: Placer, now: float) -> list[Replica]:
+    """Place the flood's 2,000-token prompts at `now` until the placer refuses one; where each went."""
+    placed = []
+    while True:
+        q = req("flood")
+        p.note_tenant("flood", now, q.prompt_tokens)
+        pins = p.choose(q, NORMAL, now)
+        if pins is None:
+            return placed
+        p.commit(pins[0], q, NORMAL, now)
+        placed.append(pins[0])
+
+
 def test_a_tenant_alone_is_never_limited():
     p = placer()
     used = {place(p, req("solo"), 0.01 * i) for i in range(4)}
@@ -104,15 +117,7 @@ def test_the_dominant_tenant_waits_for_a_replica_whose_prefill_has_drained():
     assert parse_section("admission", {}).tenant_backlog_share == 0.0
     p = placing.placer(n=2)
     p.note_tenant("quiet", 0.0, 100)
-    placed = []
-    while True:
-        q = req("flood")
-        p.note_tenant("flood", 0.01, q.prompt_tokens)
-        pins = p.choose(q, NORMAL, 0.01)
-        if pins is None:
-            break
-        p.commit(pins[0], q, NORMAL, 0.01)
-        placed.append(pins[0])
+    placed = flood_until_held(p, 0.01)
     assert len(set(placed)) == 2 and len(placed) == 2  # one prompt (0.2 s of prefill) per replica
     assert p.last_reasons == {TENANT: 2}
     quiet = p.choose(req("quiet"), NORMAL, 0.02)
@@ -127,15 +132,7 @@ def test_a_tenant_backlog_share_lets_the_dominant_tenant_queue_behind_that_much_
     p = placing.placer(n=1, tenant_backlog_share=0.25)
     p.note_tenant("quiet", 0.0, 100)
     r = p.pool.replicas[0]
-    flood = 0
-    while True:
-        q = req("flood")
-        p.note_tenant("flood", 0.01, q.prompt_tokens)
-        pins = p.choose(q, NORMAL, 0.01)
-        if pins is None:
-            break
-        p.commit(pins[0], q, NORMAL, 0.01)
-        flood += 1
+    flood = len(flood_until_held(p, 0.01))
     assert flood == 3 and p.last_reasons == {TENANT: 1}  # 0, 2,000 and 4,000 tokens ahead; 6,000 is too many
     assert p.choose(req("quiet"), NORMAL, 0.01) == [r]  # the prefill gate's own limit (2 s) leaves room for it
     assert p.choose(req("flood"), NORMAL, 0.2) == [r]  # 0.19 s later 4,100 tokens are left: the flood may add one
