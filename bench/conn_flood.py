@@ -5,14 +5,18 @@ One client opens `--connections` raw TCP connections to the gateway's listener a
 a gateway whose `max_downstream_connections` equals that number, so the flood alone can hold every slot. Then a
 normal client (the openai SDK, a new connection per try) asks for a chat completion. What is measured:
 
-  flood        how long the connects took, and how many were still held open by Envoy once all were made
+  flood        how long the connects took, and how many Envoy held once it had accepted them all (the client
+               starts only then)
   client       the normal client's latency from its first try to its answer, and how many tries were refused;
-               the bar: served within `gateway.request_headers_timeout_s`
+               the bar: served within `gateway.request_headers_timeout_s`; `refused_at_accept` is Envoy's count
+               of connections it closed at accept for the limit (the client's refused tries, and no silent one)
   closed       when Envoy had closed every silent connection (the bar: by the headers timeout after the last connect,
                plus a small margin)
   Envoy RSS    (VmRSS from /proc) before the flood, at its peak, and after every silent connection is closed; the
-               bar: back within 10% of where it started, within a bounded settle time (tcmalloc hands freed pages
-               back in the background, see extproc/xds.py `render_bootstrap`)
+               bar: back within 10% of where it started, within a bounded settle time (`--settle-s`; "after" is the
+               first reading within the bar, or the last one). tcmalloc returns free pages above its soft limit
+               (extproc/xds.py `render_bootstrap`) and its per-CPU caches give back the freed small objects
+               (`envoy_environment`)
 
 The test process and Envoy (which inherits it) need one file descriptor per connection: RLIMIT_NOFILE is raised for
 this process before the stack starts, and it is an error (never a skip) if it cannot be. Every loop here is bounded
@@ -24,12 +28,14 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import re
 import resource
 import select
 import socket
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -142,6 +148,18 @@ def still_open_now(socks: list[socket.socket]) -> int:
     return closed_by_peer(socks, time.monotonic() + 0.05)[0] if socks else 0
 
 
+def listener_stat(stack: Stack, name: str) -> int:
+    """One of Envoy's counters or gauges for the gateway listener (`listener.<host>_<port>.<name>`), from its admin."""
+    gw = stack.policy.gateway
+    stat = f"listener.{gw.host}_{gw.port}.{name}"
+    with urllib.request.urlopen(f"{stack.admin_url}/stats?filter=^{re.escape(stat)}$", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            key, _, value = line.partition(": ")
+            if key == stat:
+                return int(value)
+    raise KeyError(stat)
+
+
 def serve_one(base_url: str, deadline_s: float, pause_s: float = 0.05) -> dict[str, Any]:
     """A normal client: one chat completion through the openai SDK, a new connection per try (max_retries=0; a
     refused connection is tried again after `pause_s`, until `deadline_s` has passed). Returns its latency from the
@@ -195,14 +213,18 @@ def flood(stack: Stack, connections: int, *, settle_s: float = 60.0,
     silent = open_silent(gw.host, gw.port, connections)
     connected_s = time.monotonic() - t0
     try:
+        # The kernel completes the handshakes before Envoy accepts them: wait until Envoy holds every silent connection
+        # (in its listener filter, waiting for a request line), so the client starts against a full gateway.
+        poll(lambda: listener_stat(stack, "downstream_pre_cx_active") >= connections, timeout_s)
+        held = min(still_open_now(silent), listener_stat(stack, "downstream_pre_cx_active"))
         rss_peak = rss_bytes(envoy)
-        held = still_open_now(silent)
         log(f"flood: {connections} connects in {connected_s:.2f} s, {held} held; Envoy RSS "
             f"{rss_before / 2**20:.1f} -> {rss_peak / 2**20:.1f} MB")
         client = serve_one(stack.base_url, timeout_s + 5.0)
         rss_peak = max(rss_peak, rss_bytes(envoy))
         left, last_closed = closed_by_peer(silent, t0 + connected_s + timeout_s + 5.0)
         rss_peak = max(rss_peak, rss_bytes(envoy))
+        refused_at_accept = listener_stat(stack, "downstream_global_cx_overflow")
     finally:
         for s in silent:
             s.close()
@@ -215,6 +237,7 @@ def flood(stack: Stack, connections: int, *, settle_s: float = 60.0,
         "connect_s": round(connected_s, 2),
         "held_after_connect": held,
         "client": client,
+        "refused_at_accept": refused_at_accept,
         "still_open_at_deadline": left,
         "all_closed_after_s": round(last_closed - t0, 2),
         "envoy_rss_mb": {"before": round(rss_before / 2**20, 2), "peak": round(rss_peak / 2**20, 2),

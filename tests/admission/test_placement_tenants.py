@@ -1,6 +1,8 @@
 """The tenant share of prefill (P1f): the dominant tenant may prefill on only part of the pool while another
 tenant is active, so a quiet tenant's prompt finds a replica free of the flood's prefill."""
 
+import pytest
+
 from extproc.admission.placement import TENANT, Placer
 from extproc.config import parse_section
 from extproc.request import LLMRequest
@@ -25,6 +27,19 @@ def place(p: Placer, r: LLMRequest, now: float) -> Replica:
     p.note_tenant(r.tenant, now)
     assert not p.tenant_full(r.tenant, now)
     return placing.place(p, r, NORMAL, now)
+
+
+def flood_until_held(p: Placer, now: float) -> list[Replica]:
+    """Place the flood's 2,000-token prompts at `now` until the placer refuses one; where each went."""
+    placed = []
+    while True:
+        q = req("flood")
+        p.note_tenant("flood", now, q.prompt_tokens)
+        pins = p.choose(q, NORMAL, now)
+        if pins is None:
+            return placed
+        p.commit(pins[0], q, NORMAL, now)
+        placed.append(pins[0])
 
 
 def test_a_tenant_alone_is_never_limited():
@@ -94,21 +109,30 @@ def test_share_is_off_by_default() -> None:
     assert parse_section("admission", {}).tenant_prefill_share == 1.0
 
 
-def test_the_dominant_tenant_queues_behind_a_short_backlog_and_the_quiet_one_gets_the_rest():
-    """The default tenant backlog share (0.25 of the 2 s target: 0.5 s, 5,000 tokens): the flood keeps the replica
-    busy with its prompts, but a quiet prompt waits behind at most about that much of the flood's prefill."""
-    p = placing.placer(n=1)
+def test_the_dominant_tenant_waits_for_a_replica_whose_prefill_has_drained():
+    """The default (tenant_backlog_share 0): while another tenant is active, the dominant one is placed only on a
+    replica with no predicted prefill backlog, one prompt at a time; its next prompts wait in the fair queue, where
+    a quiet tenant's request goes first. A quiet prompt then waits behind at most one of the flood's prompts, not
+    behind the flood's queue in the engine (a FIFO)."""
+    assert parse_section("admission", {}).tenant_backlog_share == 0.0
+    p = placing.placer(n=2)
+    p.note_tenant("quiet", 0.0, 100)
+    placed = flood_until_held(p, 0.01)
+    assert len(set(placed)) == 2 and len(placed) == 2  # one prompt (0.2 s of prefill) per replica
+    assert p.last_reasons == {TENANT: 2}
+    quiet = p.choose(req("quiet"), NORMAL, 0.02)
+    assert quiet is not None and p.backlog(quiet[0], 0.02) <= 2_000  # behind at most one flood prompt
+    assert p.choose(req("flood"), NORMAL, 0.2) is None  # 100 tokens of each prompt still to prefill
+    assert p.choose(req("flood"), NORMAL, 0.22) is not None  # drained: the next one may start
+
+
+def test_a_tenant_backlog_share_lets_the_dominant_tenant_queue_behind_that_much_prefill():
+    """tenant_backlog_share 0.25 of the 2 s target (0.5 s, 5,000 tokens): the flood keeps the replica's queue
+    filled up to that, and a quiet prompt waits behind at most about that much of the flood's prefill."""
+    p = placing.placer(n=1, tenant_backlog_share=0.25)
     p.note_tenant("quiet", 0.0, 100)
     r = p.pool.replicas[0]
-    flood = 0
-    while True:
-        q = req("flood")
-        p.note_tenant("flood", 0.01, q.prompt_tokens)
-        pins = p.choose(q, NORMAL, 0.01)
-        if pins is None:
-            break
-        p.commit(pins[0], q, NORMAL, 0.01)
-        flood += 1
+    flood = len(flood_until_held(p, 0.01))
     assert flood == 3 and p.last_reasons == {TENANT: 1}  # 0, 2,000 and 4,000 tokens ahead; 6,000 is too many
     assert p.choose(req("quiet"), NORMAL, 0.01) == [r]  # the prefill gate's own limit (2 s) leaves room for it
     assert p.choose(req("flood"), NORMAL, 0.2) == [r]  # 0.19 s later 4,100 tokens are left: the flood may add one
@@ -125,7 +149,6 @@ def test_a_tenant_alone_fills_the_whole_prefill_budget():
 
 
 def test_tenant_backlog_share_one_turns_it_off():
-    assert parse_section("admission", {}).tenant_backlog_share == 0.25
     p = placing.placer(n=1, tenant_backlog_share=1.0)
     p.note_tenant("quiet", 0.0, 100)
     for _ in range(6):
@@ -134,3 +157,10 @@ def test_tenant_backlog_share_one_turns_it_off():
         pins = p.choose(q, NORMAL, 0.01)
         assert pins is not None
         p.commit(pins[0], q, NORMAL, 0.01)
+
+
+def test_tenant_backlog_share_accepts_zero_and_rejects_outside_zero_to_one():
+    assert parse_section("admission", {"tenant_backlog_share": 0}).tenant_backlog_share == 0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="admission.tenant_backlog_share"):
+            parse_section("admission", {"tenant_backlog_share": bad})

@@ -91,6 +91,12 @@ def test_envoy_image_matches_the_wheel():
     assert re.fullmatch(r"1\.40\.\d+", wheel)
 
 
+def test_envoy_runs_with_the_environment_sluice_up_gives_it():
+    from extproc.xds import envoy_environment
+
+    assert SERVICES["envoy"]["environment"] == envoy_environment({})  # tcmalloc's per-CPU caches
+
+
 def test_every_mounted_file_exists():
     for name in SERVICES:
         for dst, src in bind_mounts(name).items():

@@ -9,7 +9,7 @@ import yaml
 
 from extproc.cli import validate_with_envoy
 from extproc.config import EMBEDDED_POLICY, Policy, PolicyError, load_policy, policy_from_dict
-from extproc.xds import DESTINATION_KEY, EXTPROC_CLUSTER, LB_NAMESPACE, render
+from extproc.xds import DESTINATION_KEY, EXTPROC_CLUSTER, LB_NAMESPACE, envoy_environment, render
 
 BASE = {"pools": [{"model": "m", "replicas": ["127.0.0.1:8101", "127.0.0.1:8102"]}]}
 
@@ -149,3 +149,14 @@ def test_sidecar_workers_default_to_the_cores_left_after_envoys_share() -> None:
     pools = [{"model": "m", "replicas": ["127.0.0.1:1"]}]
     assert policy_from_dict({"pools": pools}).sidecar.workers == default_workers()
     assert policy_from_dict({"pools": pools, "sidecar": {"workers": 3}}).sidecar.workers == 3
+
+
+@pytest.mark.parametrize("given, expected", [
+    (None, "glibc.pthread.rseq=0"),
+    ("", "glibc.pthread.rseq=0"),
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.pthread.rseq=0"),
+    ("glibc.pthread.rseq=1:glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.pthread.rseq=0"),
+])
+def test_envoy_runs_with_glibc_rseq_off_keeping_other_tunables(given, expected) -> None:
+    env = {} if given is None else {"GLIBC_TUNABLES": given}
+    assert envoy_environment(env) == {"GLIBC_TUNABLES": expected}
