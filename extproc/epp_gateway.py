@@ -110,7 +110,7 @@ class EppGateway(Gateway):
             return  # not one of the pool's replicas as sluice knows it: nothing to move to
         self.gauges.count_replica(to)  # its gauges read its own accounting from now on
         if p.owner is not None:
-            p.epoch, p.growth = p.owner.placer.move(p.replica, to, req, p.lane, p.epoch, p.growth)
+            p.epoch, p.growth = p.owner.placer.move(p.replica, to, req, p.lane, p.epoch, p.growth, p.answered)
         else:  # admission off: plain accounting
             p.replica.release(req.total_tokens, req.prompt_tokens, p.epoch)
             to.place(req.total_tokens, req.prompt_tokens)

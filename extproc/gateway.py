@@ -308,7 +308,7 @@ class Gateway:
         if st.observer is not None:
             st.observer.on_headers(st.status, content_type)
         if st.state is FORWARDED:
-            st.move(DONE if msg.end_of_stream else RESPONDING)
+            st.answered(msg.end_of_stream)
         return R.CONTINUE_RESPONSE_HEADERS
 
     def on_response_trailers(self, st: Stream) -> pb.ProcessingResponse:

@@ -115,6 +115,13 @@ class Stream:
             raise IllegalTransition(f"{self.state.label} -> {to.label}")
         self.state = to
 
+    def answered(self, end_of_stream: bool) -> None:
+        """The replica's response headers came to a forwarded request: the stream moves on, and its placement
+        leaves the replica's awaiting counters (its engine counts it from now on: `Replica.on_scrape`)."""
+        self.move(State.DONE if end_of_stream else State.RESPONDING)
+        if self.placement is not None and self.req is not None:
+            self.placement.on_answer(self.req)
+
     def take(self, hold: int) -> None:
         """Holds are taken in their declared order, so releasing them in reverse undoes them like a stack (`hold`
         may be several bits taken together)."""

@@ -8,7 +8,8 @@ A replica fits a request when, with the request added, it stays within every lim
           while the new request would run (`kv_committed`, kv_growth.py: no preemption when gateways place long
           generations, PG / P9). Not a lifetime reservation: a stream whose client reads slowly holds nothing in
           an engine that finished it (P13)
-  queue   the engine's own waiting queue <= max_waiting (the replicas never protect themselves)
+  queue   the engine's own waiting queue, with the requests it has not counted yet (`Replica.engine_queue`),
+          <= max_waiting (the replicas never protect themselves)
   running the engine's running + waiting + placed since the scrape < its sequence cap x weight + max_waiting,
           the cap learned from the engine (seq_cap.py); unknown, at most double per scrape interval what the
           engine showed or what the replica recently took (`_over_concurrency`, P12). An explicit
@@ -28,7 +29,7 @@ A replica fits a request when, with the request added, it stays within every lim
           replica with stale metrics counts as saturated
 Among fitting replicas the lowest score wins:
   score = (prefill backlog + uncached prompt) / prefill rate / TTFT target
-          + kv_weight x KV fraction after placing + waiting_weight x engine waiting
+          + kv_weight x KV fraction after placing + waiting_weight x engine queue (waiting + not counted yet)
           + inflight_weight x (requests in flight there + 1) / max sequences
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
@@ -109,6 +110,7 @@ class Placer:
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
+        self.rate_prompt = 0.0  # mean prompt tokens `rate` was measured with (prefill_rate.py; 0: not measured)
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
         self._lane_caps: list[int] = []
@@ -177,8 +179,19 @@ class Placer:
         return r.routable and self.weight(r, now) > 0
 
     def prefill_s(self, prompt_tokens: float) -> float:
-        """Predicted prefill time of a prompt on an idle replica, at the pool's learned speed (its lane)."""
-        return prompt_tokens / self.rate
+        """Predicted prefill time of a prompt on an idle replica (its lane), at the pool's learned speed, slower for a
+        prompt larger than the mean prompt `m` (`rate_prompt`) that speed was measured with:
+
+            prefill_s = prompt / rate x sqrt(max(1, prompt / m))        (m unknown: prompt / rate)
+
+        Per token, prefill slows as prompts grow (attention): a real vLLM-CPU engine prefilled 500-token prompts at
+        about 9,000 tokens/s and 5,000-token ones at 3,500 (speed ~ size^-0.4; the square root is the cautious
+        side of it). A speed learned on short prompts put a 6,500-token prompt at 0.25 s, in the unconfined
+        normal lane, while its prefill took 2-3 s, and short prompts placed beside it waited for it (real P3).
+        Only the lane follows this; placement's backlog keeps the learned speed and its own size factor."""
+        s = prompt_tokens / self.rate
+        m = self.rate_prompt
+        return s * math.sqrt(prompt_tokens / m) if 0 < m < prompt_tokens else s
 
     def uncached_prompt(self, req: LLMRequest) -> float:
         """The prompt tokens the best replica for its prefix must compute (for the request's lane)."""
@@ -293,7 +306,7 @@ class Placer:
             return LANE
         if self._over_concurrency(r, w):
             return CONCURRENCY
-        if r.engine.waiting > pol.max_waiting_per_replica:
+        if r.engine_queue() > pol.max_waiting_per_replica:
             return QUEUE_FULL
         if prompt is None:
             prompt = req.prompt_tokens
@@ -457,7 +470,7 @@ class Placer:
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
         s += pol.score_inflight_weight * (r.inflight_requests + r.shared_requests + 1) / self._sequence_scale(r)
-        return s + pol.score_waiting_weight * r.engine.waiting
+        return s + pol.score_waiting_weight * r.engine_queue()
 
     def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:
         """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now (`waited`: seconds
@@ -537,10 +550,11 @@ class Placer:
             g = self.growth[r] = KvGrowth()
         return g
 
-    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None) -> None:
+    def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None,
+                answered: bool = False) -> None:
         if growth is not None:
             self._ledger(r).remove(growth)
-        r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held)
+        r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held, answered)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.release(r, req)
         r.lane_inflight[lane] -= 1
@@ -548,12 +562,14 @@ class Placer:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
 
     def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int,
-             growth: Growth | None = None) -> tuple[int, Growth | None]:
+             growth: Growth | None = None, answered: bool = False) -> tuple[int, Growth | None]:
         """The request was served by `to`, not by `r` where it was placed (the gateway walked down the pin list):
         its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
-        self.release(r, req, lane, epoch, growth)
+        self.release(r, req, lane, epoch, growth, answered)
         req.prefix_held = 0  # what `to`'s requests in flight hold of its prefix is not known
         to.place(req.total_tokens, req.prompt_tokens)
+        if answered:
+            to.answered(req.total_tokens, req.prompt_tokens)
         if self.prefix is not None and req.prefix_chain:
             self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1

@@ -79,9 +79,10 @@ class PrefillRate:
         self.prior = prior
         self.long_lane = long_lane  # no measurement while a request of this lane (or above) is in flight
         self.seen: dict[str, _Seen] = {}
+        self.measured_prompt = 0.0  # mean prompt the pool's speed was measured with (0: the configured speed)
 
     def update(self, replicas: list[Replica], now: float) -> float:
-        """Take the new scrapes' measurements; return the pool's prefill speed now."""
+        """Take the new scrapes' measurements; return the pool's prefill speed now (and set `measured_prompt`)."""
         rates = []
         recovering = []
         for r in replicas:
@@ -90,10 +91,12 @@ class PrefillRate:
                 s = self.seen[r.address] = _Seen()
             self._observe(s, r, learn=r.state == HEALTHY or r.state == RECOVERING)
             if r.state == HEALTHY and r.weight >= 1.0:
-                rates.append((self._relaxed(s, now), self._speed(s, r, now)))
+                rates.append((self._relaxed(s, now), self._speed(s, r, now), s.prompt if s.rate > 0 else 0.0))
             elif r.state == RECOVERING:
-                recovering.append(self._speed(s, r, now))
-        return min([speed for _, speed in _without_outliers(rates)] or recovering or [self.prior])
+                recovering.append((0.0, self._speed(s, r, now), s.prompt if s.rate > 0 else 0.0))
+        _, speed, self.measured_prompt = min(_without_outliers(rates) or recovering or [(0.0, self.prior, 0.0)],
+                                             key=lambda x: x[1])
+        return speed
 
     def _speed(self, s: _Seen, r: Replica, now: float) -> float:
         factor = self._size_factor(s, r)
@@ -148,20 +151,20 @@ class PrefillRate:
 
 
 
-def _without_outliers(rates: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(learned rate, speed) of the healthy replicas, less those whose learned rate is under 1 / OUTLIER of the
-    median of the others': a replica that prefills several times slower than its peers is sick (health degrades
-    it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's gate to the sick
-    one's speed until then (P8: one engine 20x slower)."""
+def _without_outliers(rates: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """(learned rate, speed, mean prompt measured with) of the healthy replicas, less those whose learned rate is
+    under 1 / OUTLIER of the median of the others': a replica that prefills several times slower than its peers is
+    sick (health degrades it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's
+    gate to the sick one's speed until then (P8: one engine 20x slower)."""
     if len(rates) < 2:
         return rates
     kept = []
-    for i, (rate, speed) in enumerate(rates):
-        others = sorted(r for j, (r, _) in enumerate(rates) if j != i)
+    for i, (rate, speed, prompt) in enumerate(rates):
+        others = sorted(r for j, (r, _, _) in enumerate(rates) if j != i)
         mid = len(others) // 2
         median = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
         if rate * OUTLIER >= median:
-            kept.append((rate, speed))
+            kept.append((rate, speed, prompt))
     return kept
 
 

@@ -66,6 +66,14 @@ class Placement:
     owner: "Scheduler | None" = None  # who to release to (survives a policy reload that replaces schedulers)
     at: float = 0.0  # dispatch time (service-time estimate for the drain rate)
     growth: Growth | None = None  # its expected output still to decode on the replica (kv_growth.py)
+    answered: bool = False  # the replica's response headers came (`Replica.answered`: its engine counts it)
+
+    def on_answer(self, req: LLMRequest) -> None:
+        """The replica answered: it leaves the replica's awaiting counters (once; admission off, `owner` None, it
+        leaves them when released)."""
+        if not self.answered and self.owner is not None:
+            self.answered = True
+            self.replica.answered(req.total_tokens, req.prompt_tokens, req.prefix_held)
 
 
 class DrainRate:
@@ -185,6 +193,7 @@ class Scheduler:
         self.m.estimate_factor(factor)
         rate = self.prefill.update(replicas, now)
         self.placer.rate = rate
+        self.placer.rate_prompt = self.prefill.measured_prompt
         self.m.prefill_rate(rate)
         self.placer.decode_s = self.decode.update(replicas)
         self.seq_cap.update(replicas)
@@ -487,7 +496,8 @@ class Scheduler:
 
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
-        self.placer.release(placement.replica, req, placement.lane, placement.epoch, placement.growth)
+        self.placer.release(placement.replica, req, placement.lane, placement.epoch, placement.growth,
+                            placement.answered)
         placement.growth = None
         now = time.monotonic()
         lane = placement.lane

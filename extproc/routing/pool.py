@@ -72,6 +72,13 @@ class Replica:
     placed_since_scrape_tokens: int = 0
     placed_since_scrape_prompt_tokens: int = 0
     placed_since_scrape_requests: int = 0
+    # this sidecar's requests placed here that the engine has not answered yet (no response headers): an engine's
+    # API server takes them in (parse, template, tokenize) before its scheduler counts them, so a scrape can miss
+    # them; see `on_scrape`
+    awaiting_requests: int = 0
+    awaiting_tokens: int = 0
+    awaiting_prompt_tokens: int = 0
+    unseen_requests: int = 0            # of those, the ones the last scrape could not have counted (`on_scrape`)
     placed_in_epoch_requests: int = 0   # placements since the scrape, finished ones included ...
     placed_last_epoch_requests: int = 0  # ... and recently: the last interval's, or half the value before it if
                                          # more (the unknown-cap probe, placement.py `_over_concurrency`)
@@ -115,10 +122,23 @@ class Replica:
         self.placed_since_scrape_prompt_tokens += prompt_tokens - shared
         self.placed_since_scrape_requests += 1
         self.placed_in_epoch_requests += 1
+        self.awaiting_requests += 1
+        self.awaiting_tokens += tokens - shared
+        self.awaiting_prompt_tokens += prompt_tokens - shared
 
-    def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1, shared: int = 0) -> None:
+    def answered(self, tokens: int, prompt_tokens: int = 0, shared: int = 0) -> None:
+        """The engine answered (response headers) a request placed here: its own numbers count it from now on."""
+        self.awaiting_requests -= 1
+        self.awaiting_tokens -= tokens - shared
+        self.awaiting_prompt_tokens -= prompt_tokens - shared
+
+    def release(self, tokens: int, prompt_tokens: int = 0, epoch: int = -1, shared: int = 0,
+                answered: bool = False) -> None:
         """`epoch` is the scrape epoch at placement: a request placed and finished between two scrapes was never
-        seen by the engine's numbers, so it leaves the since-scrape counters too (`shared` as placed)."""
+        seen by the engine's numbers, so it leaves the since-scrape counters too (`shared` as placed). `answered`:
+        `answered` was called for it (else it leaves the awaiting counters here)."""
+        if not answered:
+            self.answered(tokens, prompt_tokens, shared)
         self.inflight_requests -= 1
         self.inflight_tokens -= tokens
         self.inflight_prompt_tokens -= prompt_tokens
@@ -129,12 +149,31 @@ class Replica:
             self.placed_since_scrape_requests -= 1
 
     def on_scrape(self, engine: EngineState) -> None:
-        """A fresh scrape already includes what was placed before it: restart the since-scrape counters."""
+        """A fresh scrape includes what the engine had taken in before it: the since-scrape counters restart from
+        the requests it could not have counted yet, the ones it has not answered (`awaiting_*`) as far as the
+        engine shows fewer requests than are in flight here:
+
+            carried = min(awaiting, max(0, own in flight + the other sidecars' - (running + waiting)))
+
+        A real vLLM's API server parses, templates and tokenizes a request before its scheduler counts it (tens of
+        milliseconds, more while the engine's core is busy), so a scrape in between showed it nowhere: restarting
+        from 0 forgot it, and the replica looked emptier by every such request (issue 16: a third of the scrapes
+        of a real engine missed 1-5 requests in flight, up to 8 under load; P3 stacked short prompts on it, P7
+        placed 24 on an engine running 7). An engine that counts a request on arrival (the simulator) shows them
+        all: nothing is carried. The minimum keeps a request the engine counts (a non-streaming one has no
+        response headers until it ends) from being counted twice."""
         self.engine = engine
         self.scrape_epoch += 1
-        self.placed_since_scrape_tokens = 0
-        self.placed_since_scrape_prompt_tokens = 0
-        self.placed_since_scrape_requests = 0
+        hidden = self.inflight_requests + self.shared_requests - engine.running - engine.waiting
+        carried = self.unseen_requests = min(self.awaiting_requests, hidden) if hidden > 0 else 0
+        if carried > 0:
+            self.placed_since_scrape_requests = carried
+            self.placed_since_scrape_tokens = self.awaiting_tokens * carried // self.awaiting_requests
+            self.placed_since_scrape_prompt_tokens = self.awaiting_prompt_tokens * carried // self.awaiting_requests
+        else:
+            self.placed_since_scrape_tokens = 0
+            self.placed_since_scrape_prompt_tokens = 0
+            self.placed_since_scrape_requests = 0
         self.placed_last_epoch_requests = max(self.placed_in_epoch_requests, self.placed_last_epoch_requests // 2)
         self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens
@@ -158,6 +197,11 @@ class Replica:
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests
+
+    def engine_queue(self) -> int:
+        """Requests queued at the engine as of its last scrape: its waiting ones and the ones it had not counted
+        yet (still in its API server)."""
+        return self.engine.waiting + self.unseen_requests
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ their decode time per token (P5), and lanes by predicted prefill seconds (P3).""
 import pytest
 
 from extproc.admission.decode_time import DecodeTime
-from extproc.admission.placement import CONCURRENCY, KV_FULL, PROBE_BASE, UNSCRAPED_CONCURRENCY
+from extproc.admission.placement import CONCURRENCY, KV_FULL, PROBE_BASE, QUEUE_FULL, UNSCRAPED_CONCURRENCY
 from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler, Shed
 from extproc.admission.seq_cap import CONFIRM, SeqCap
@@ -150,6 +150,8 @@ def _fill_interval(p, r, at: float, finish: bool) -> int:
         growth = p.commit(r, req(prompt=20, out=4), 0, at)
         if finish:
             p.release(r, req(prompt=20, out=4), 0, r.scrape_epoch, growth)
+        else:
+            r.answered(24, 20)  # the engine took it in and answered: it shows it, or it ended there
         n += 1
     return n
 
@@ -255,6 +257,43 @@ async def test_a_request_that_cannot_start_within_the_slo_is_shed_at_once_with_r
         for _ in range(20):
             s.submit(req(prompt=100, out=10), 0.4)
     assert exc.value.status == 429 and exc.value.should_retry and exc.value.retry_after_s > 0
+
+
+# ---- requests the engine has not taken in yet (issue 16: a real vLLM's API server) ---------------------------
+
+def test_requests_the_engine_has_not_answered_nor_counted_stay_in_the_count_after_a_scrape():
+    """A real vLLM counts a request once its API server has parsed and tokenized it: a scrape in between shows it
+    nowhere. Those requests still count as placed (KV, sequences) and as queued at the engine (queue limit,
+    score) until the engine answers them; a request it answered and counts is not counted twice."""
+    p = placer(n=2, prefill_tokens_per_s=1e9)
+    busy, idle = p.pool.replicas
+    for r in p.pool.replicas:
+        scrape(r, 1.0)
+    for _ in range(3):
+        p.commit(busy, req(prompt=400, out=16), 0, 1.0)
+    scrape(busy, 1.2)  # none of the three taken in yet: the engine shows nothing
+    scrape(idle, 1.2)
+    assert busy.placed_since_scrape_requests == 3 and busy.engine_queue() == 3
+    assert p.kv_held(busy, 1.2) == 3 * 416
+    assert p.why_not(busy, req(prompt=400, out=16), 0, 1.2, 2.0) == QUEUE_FULL  # max_waiting_per_replica 2
+    assert p.choose(req(prompt=400, out=16), 0, 1.2)[0] is idle
+    busy.answered(416, 400)  # the engine took one in and answered it; the next scrape shows it running
+    scrape(busy, 1.4, running=1)
+    assert busy.placed_since_scrape_requests == 2 and busy.engine_queue() == 2
+    busy.answered(416, 400)
+    busy.answered(416, 400)
+    scrape(busy, 1.6, running=3)
+    assert busy.placed_since_scrape_requests == 0 and busy.engine_queue() == 0
+
+
+def test_a_non_streaming_request_the_engine_counts_is_not_carried():
+    """No response headers until its answer is whole: while the engine shows it running, it is counted once."""
+    p = placer(n=1, prefill_tokens_per_s=1e9)
+    r = p.pool.replicas[0]
+    scrape(r, 1.0)
+    p.commit(r, req(prompt=400, out=300, stream=False), 0, 1.0)
+    scrape(r, 1.2, running=1, kv_usage=0.004)
+    assert r.placed_since_scrape_requests == 0 and r.engine_queue() == 0
 
 
 # ---- the in-flight term: each sequence counts, however little KV it holds ----------------------------------

@@ -106,6 +106,7 @@ def test_after_a_scrape_the_output_still_to_decode_counts_not_only_the_prompt_he
     r.on_scrape(ScrapedState(scraped_at=0.5))
     for _ in range(8):
         p.commit(r, req(), 0, 1.0)
+        r.answered(req().total_tokens, req().prompt_tokens)  # streaming: the engine took it in
     r.on_scrape(ScrapedState(scraped_at=1.1, kv_usage=8 * 410 / 11_000, running=8))  # prompts + 10 tokens each
     assert p.kv_held(r, 1.1) == pytest.approx(3_280)
     assert p.kv_committed(r, 1.1) == pytest.approx(3_280 + 8 * (p.growth[r].remaining(1.1) / 8), rel=1e-6)

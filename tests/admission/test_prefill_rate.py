@@ -156,3 +156,16 @@ def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
             r.on_scrape(ScrapedState(scraped_at=2.0 + 0.2 * k, waiting=3, prompt_tokens_total=total))
         pace = pr.update(rs, 2.0 + 0.2 * k)
     assert pace < 3_000
+
+
+def test_the_pool_speed_comes_with_the_mean_prompt_it_was_measured_with():
+    rs, pr = replicas(2), PrefillRate(10_000)
+    pr.update(rs, 0.5)
+    assert pr.measured_prompt == 0.0  # the configured speed: measured with nothing
+    for r in rs:
+        r.place(420, 400)
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    scrape(rs, 1.2, 3_000, waiting=2)
+    pr.update(rs, 1.2)
+    assert pr.measured_prompt == 400.0

@@ -194,7 +194,7 @@ def test_a_replica_near_its_kv_limit_takes_more_of_a_prefix_its_requests_hold():
     p.commit(home, first, 1, 10.0)
     epoch = home.scrape_epoch
     for r in p.pool.replicas:  # both engines near full, `first` running on home
-        scrape(r, 10.5, 0.0, kv_usage=0.87)
+        scrape(r, 10.5, 0.0, kv_usage=0.87, running=int(r is home))
     q = req(user="second")
     assert q.total_tokens > 3_000 and p.why_not(other, q, 1, 11.0, 1.0) == KV_FULL
     assert p.choose(q, 1, 11.0) == [home]

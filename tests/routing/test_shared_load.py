@@ -86,11 +86,11 @@ def test_the_others_load_counts_in_placement_and_their_growth_between_scrapes():
     r.place(1000)
     r.note_shared(500, 1)
     assert placer.kv_held(r, 0.5) == 1000 + 500  # never scraped: the reservations in flight
-    r.on_scrape(EngineState(scraped_at=1.0, kv_usage=0.15))  # 1,500 tokens in the engine, both sidecars'
+    r.on_scrape(EngineState(scraped_at=1.0, kv_usage=0.15, running=2))  # 1,500 tokens: both sidecars'
     assert placer.kv_held(r, 1.0) == 1500
     r.note_shared(3500, 3)  # the others placed 3,000 more since that scrape
     assert placer.kv_held(r, 1.0) == 1500 + 3000
-    r.on_scrape(EngineState(scraped_at=2.0, kv_usage=0.45))  # the engine now shows them
+    r.on_scrape(EngineState(scraped_at=2.0, kv_usage=0.45, running=4))  # the engine now shows them
     assert placer.kv_held(r, 2.0) == 4500
     r.note_shared(0, 0)  # Redis lost (or their requests ended): the engine's numbers only, as a single sidecar
     assert placer.kv_held(r, 2.0) == 4500
