@@ -78,7 +78,9 @@ class Replica:
     awaiting_requests: int = 0
     awaiting_tokens: int = 0
     awaiting_prompt_tokens: int = 0
-    unseen_requests: int = 0            # of those, the ones the last scrape could not have counted (`on_scrape`)
+    unseen_requests: int = 0            # of those, the ones the last scrape could not have counted (`on_scrape`),
+    unseen_tokens: int = 0              # with their footprints and prompts (an average awaiting request's each),
+    unseen_prompt_tokens: int = 0       # counted in the since-scrape counters until they end or the next scrape
     placed_in_epoch_requests: int = 0   # placements since the scrape, finished ones included ...
     placed_last_epoch_requests: int = 0  # ... and recently: the last interval's, or half the value before it if
                                          # more (the unknown-cap probe, placement.py `_over_concurrency`)
@@ -147,6 +149,23 @@ class Replica:
             self.placed_since_scrape_tokens -= tokens - shared
             self.placed_since_scrape_prompt_tokens -= prompt_tokens - shared
             self.placed_since_scrape_requests -= 1
+        elif self.unseen_requests > 0:
+            self._drop_one_unseen()
+
+    def _drop_one_unseen(self) -> None:
+        """A request placed before the last scrape ended while that scrape's carried (unseen) ones still count:
+        one of them leaves the since-scrape counters. Either it was one of them, or the engine's stale numbers
+        still count it; both ways running + waiting + carried stays the number of requests still here. Without
+        this, a request that ended after the engine stopped showing it and before its release reached the sidecar
+        (the access log's flush) stayed counted until the next scrape."""
+        tokens = self.unseen_tokens // self.unseen_requests
+        prompt = self.unseen_prompt_tokens // self.unseen_requests
+        self.unseen_requests -= 1
+        self.unseen_tokens -= tokens
+        self.unseen_prompt_tokens -= prompt
+        self.placed_since_scrape_requests -= 1
+        self.placed_since_scrape_tokens -= tokens
+        self.placed_since_scrape_prompt_tokens -= prompt
 
     def on_scrape(self, engine: EngineState) -> None:
         """A fresh scrape includes what the engine had taken in before it: the since-scrape counters restart from
@@ -160,20 +179,23 @@ class Replica:
         from 0 forgot it, and the replica looked emptier by every such request (issue 16: a third of the scrapes
         of a real engine missed 1-5 requests in flight, up to 8 under load; P3 stacked short prompts on it, P7
         placed 24 on an engine running 7). An engine that counts a request on arrival (the simulator) shows them
-        all: nothing is carried. The minimum keeps a request the engine counts (a non-streaming one has no
-        response headers until it ends) from being counted twice."""
+        all, except the ones that ended there and whose release has not reached the sidecar yet: those leave the
+        carry as requests placed before the scrape end (`_drop_one_unseen`). The minimum keeps a request the engine
+        counts (a non-streaming one has no response headers until it ends) from being counted twice. The sidecar
+        sees response headers only for the streams it observes (streaming.sample_rate, metered tenants): for the
+        others `awaiting` is every request in flight, and the carry is the count the engine does not show."""
         self.engine = engine
         self.scrape_epoch += 1
         hidden = self.inflight_requests + self.shared_requests - engine.running - engine.waiting
         carried = self.unseen_requests = min(self.awaiting_requests, hidden) if hidden > 0 else 0
         if carried > 0:
-            self.placed_since_scrape_requests = carried
-            self.placed_since_scrape_tokens = self.awaiting_tokens * carried // self.awaiting_requests
-            self.placed_since_scrape_prompt_tokens = self.awaiting_prompt_tokens * carried // self.awaiting_requests
+            self.unseen_tokens = self.awaiting_tokens * carried // self.awaiting_requests
+            self.unseen_prompt_tokens = self.awaiting_prompt_tokens * carried // self.awaiting_requests
         else:
-            self.placed_since_scrape_tokens = 0
-            self.placed_since_scrape_prompt_tokens = 0
-            self.placed_since_scrape_requests = 0
+            self.unseen_tokens = self.unseen_prompt_tokens = 0
+        self.placed_since_scrape_requests = carried
+        self.placed_since_scrape_tokens = self.unseen_tokens
+        self.placed_since_scrape_prompt_tokens = self.unseen_prompt_tokens
         self.placed_last_epoch_requests = max(self.placed_in_epoch_requests, self.placed_last_epoch_requests // 2)
         self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens
