@@ -238,8 +238,8 @@ class Placer:
 
     def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None) -> float:
         """KV tokens the replica's engine will hold, at most, within the next `horizon_s` seconds (None: before its
-        requests in flight end): what it holds now plus the output they decode meanwhile (the admission check;
-        `kv_held` is the score's view of now):
+        requests in flight end): what it holds now plus the output they decode meanwhile (the admission check,
+        and with no horizon the score's KV term):
 
             scraped usage x capacity                   what the engine reported it holds
           + prompts placed since that scrape           (their outputs are in the growth below)
@@ -466,7 +466,7 @@ class Placer:
             s += WEIGHT_PENALTY * (1.0 - w)
         cap = r.kv_capacity_tokens
         if cap:
-            s += pol.score_kv_weight * (self.kv_held(r, now) + req.total_tokens - held) / cap
+            s += pol.score_kv_weight * (self.kv_committed(r, now) + req.total_tokens - held) / cap
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
         s += pol.score_inflight_weight * (r.inflight_requests + r.shared_requests + 1) / self._sequence_scale(r)

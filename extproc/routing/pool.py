@@ -84,7 +84,14 @@ class Replica:
     placed_in_epoch_requests: int = 0   # placements since the scrape, finished ones included ...
     placed_last_epoch_requests: int = 0  # ... and recently: the last interval's, or half the value before it if
                                          # more (the unknown-cap probe, placement.py `_over_concurrency`)
-    scrape_epoch: int = 0               # increments with every scrape: tells placements the scrape saw from new ones
+    scrape_epoch: int = 0               # increments as each scrape is sent: a placement's epoch tells whether a
+                                        # scrape could have seen it
+    counted_epoch: int = 0              # the epoch the last successful scrape was sent in: placements of this epoch
+                                        # or later are in the since-scrape counters
+    scrape_in_flight: bool = False      # a scrape was sent and has not been read yet ...
+    sent_since_requests: int = 0        # ... and this sidecar's requests placed here since it was sent, in flight,
+    sent_since_tokens: int = 0          # with their footprints and prompts: the page cannot have counted them all,
+    sent_since_prompt_tokens: int = 0   # and they are new placements, not requests the engine is slow to count
     prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
     lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
@@ -127,6 +134,10 @@ class Replica:
         self.awaiting_requests += 1
         self.awaiting_tokens += tokens - shared
         self.awaiting_prompt_tokens += prompt_tokens - shared
+        if self.scrape_in_flight:
+            self.sent_since_requests += 1
+            self.sent_since_tokens += tokens - shared
+            self.sent_since_prompt_tokens += prompt_tokens - shared
 
     def answered(self, tokens: int, prompt_tokens: int = 0, shared: int = 0) -> None:
         """The engine answered (response headers) a request placed here: its own numbers count it from now on."""
@@ -145,12 +156,16 @@ class Replica:
         self.inflight_tokens -= tokens
         self.inflight_prompt_tokens -= prompt_tokens
         self.served_total += 1
-        if epoch == self.scrape_epoch:
+        if epoch >= self.counted_epoch:
             self.placed_since_scrape_tokens -= tokens - shared
             self.placed_since_scrape_prompt_tokens -= prompt_tokens - shared
             self.placed_since_scrape_requests -= 1
         elif self.unseen_requests > 0:
             self._drop_one_unseen()
+        if self.scrape_in_flight and epoch == self.scrape_epoch and self.sent_since_requests > 0:
+            self.sent_since_requests -= 1
+            self.sent_since_tokens -= tokens - shared
+            self.sent_since_prompt_tokens -= prompt_tokens - shared
 
     def _drop_one_unseen(self) -> None:
         """A request placed before the last scrape ended while that scrape's carried (unseen) ones still count:
@@ -167,12 +182,21 @@ class Replica:
         self.placed_since_scrape_tokens -= tokens
         self.placed_since_scrape_prompt_tokens -= prompt
 
+    def scrape_sent(self) -> None:
+        """The scraper sent a request for the engine's page: placements from now on are in a new epoch, and
+        counted as sent since it (`on_scrape`)."""
+        self.scrape_epoch += 1
+        self.scrape_in_flight = True
+        self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0
+
     def on_scrape(self, engine: EngineState) -> None:
         """A fresh scrape includes what the engine had taken in before it: the since-scrape counters restart from
         the requests it could not have counted yet, the ones it has not answered (`awaiting_*`) as far as the
-        engine shows fewer requests than are in flight here:
+        engine shows fewer requests than are in flight here, plus the ones placed while the scrape was on its way
+        (`sent_since_*`, as placed since it):
 
-            carried = min(awaiting, max(0, own in flight + the other sidecars' - (running + waiting)))
+            carried = min(awaiting - sent since, max(0, own in flight - sent since + the other sidecars'
+                                                          - (running + waiting)))
 
         A real vLLM's API server parses, templates and tokenizes a request before its scheduler counts it (tens of
         milliseconds, more while the engine's core is busy), so a scrape in between showed it nowhere: restarting
@@ -183,19 +207,30 @@ class Replica:
         carry as requests placed before the scrape end (`_drop_one_unseen`). The minimum keeps a request the engine
         counts (a non-streaming one has no response headers until it ends) from being counted twice. The sidecar
         sees response headers only for the streams it observes (streaming.sample_rate, metered tenants): for the
-        others `awaiting` is every request in flight, and the carry is the count the engine does not show."""
+        others `awaiting` is every request in flight, and the carry is the count the engine does not show.
+        The carried requests count as queued at the engine (`engine_queue`); the ones placed while the scrape was on
+        its way do not: a page read 50 ms after it was asked for (a busy engine, a loaded machine) made every
+        placement of those 50 ms look like a request the engine was slow to take in, and the replica was avoided
+        until the next scrape (a burst of equal requests on idle replicas placed 2, 5 and 5)."""
         self.engine = engine
-        self.scrape_epoch += 1
-        hidden = self.inflight_requests + self.shared_requests - engine.running - engine.waiting
-        carried = self.unseen_requests = min(self.awaiting_requests, hidden) if hidden > 0 else 0
+        if not self.scrape_in_flight:  # read without `scrape_sent` (the scraper always sends first)
+            self.scrape_epoch += 1
+            self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0
+        self.scrape_in_flight = False
+        self.counted_epoch = self.scrape_epoch
+        sent = self.sent_since_requests
+        before = self.awaiting_requests - sent
+        hidden = self.inflight_requests - sent + self.shared_requests - engine.running - engine.waiting
+        carried = self.unseen_requests = min(before, hidden) if hidden > 0 and before > 0 else 0
         if carried > 0:
-            self.unseen_tokens = self.awaiting_tokens * carried // self.awaiting_requests
-            self.unseen_prompt_tokens = self.awaiting_prompt_tokens * carried // self.awaiting_requests
+            self.unseen_tokens = (self.awaiting_tokens - self.sent_since_tokens) * carried // before
+            prompts = self.awaiting_prompt_tokens - self.sent_since_prompt_tokens
+            self.unseen_prompt_tokens = prompts * carried // before
         else:
             self.unseen_tokens = self.unseen_prompt_tokens = 0
-        self.placed_since_scrape_requests = carried
-        self.placed_since_scrape_tokens = self.unseen_tokens
-        self.placed_since_scrape_prompt_tokens = self.unseen_prompt_tokens
+        self.placed_since_scrape_requests = carried + sent
+        self.placed_since_scrape_tokens = self.unseen_tokens + self.sent_since_tokens
+        self.placed_since_scrape_prompt_tokens = self.unseen_prompt_tokens + self.sent_since_prompt_tokens
         self.placed_last_epoch_requests = max(self.placed_in_epoch_requests, self.placed_last_epoch_requests // 2)
         self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens

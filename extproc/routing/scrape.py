@@ -692,6 +692,7 @@ class Scraper:
         session = self._session
         r = t.replica
         started = time.perf_counter()
+        r.scrape_sent()
         try:
             assert session is not None
             async with session.get(t.url) as resp:

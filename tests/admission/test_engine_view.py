@@ -316,3 +316,20 @@ def test_equal_requests_spread_when_a_scrape_lands_mid_burst(scrape_after: int):
         pins = p.choose(q, 0, now)
         p.commit(pins[0], q, 0, now)
     assert [r.inflight_requests for r in p.pool.replicas] == [4, 4, 4]
+
+
+def test_the_kv_score_does_not_depend_on_when_each_replica_was_scraped():
+    # two replicas with the same three long streams: one scraped after they started (its report shows their prompts
+    # only), one not yet. The score's KV term counts what each will hold, so both score alike; counting only what
+    # the report shows made the freshly scraped one look emptier by three outputs, and a burst piled onto it.
+    p = placer(n=2, kv_capacity_tokens=65_536)
+    read, unread = p.pool.replicas
+    for r in (read, unread):
+        r.max_num_seqs = 64
+        scrape(r, 0.01)
+        for _ in range(3):
+            p.commit(r, req(prompt=200, out=1500), 0, 0.02)
+    scrape(read, 0.5, kv_usage=3 * 200 / 65_536, running=3)
+    new = req(prompt=200, out=1500)
+    one_request = p.policy.score_inflight_weight / 64  # what one more request in flight adds to a score
+    assert abs(p.score(read, new, 0.5) - p.score(unread, new, 0.5)) < one_request / 2

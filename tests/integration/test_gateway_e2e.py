@@ -4,6 +4,7 @@ official openai SDK."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -76,26 +77,42 @@ def test_models_list_comes_from_the_policy(stack: Stack):
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_concurrent_requests_spread_by_inflight_load(stack: Stack):
-    async def one(c: openai.AsyncOpenAI) -> str:
+def test_requests_in_flight_spread_by_inflight_load(stack: Stack):
+    lines = []  # each stream's line iterator stays referenced: an abandoned one closes its connection at once
+
+    async def open_stream(c: openai.AsyncOpenAI, streams: contextlib.AsyncExitStack) -> str:
         # identical prompts, longer than a prefix level: a prefix held by one request in flight must not draw the
         # copies to its replica (each sequence counts in the score, and a held prefix only in whole KV blocks)
-        raw = await c.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=400, messages=[{"role": "user", "content": "load " * 150}])
-        return raw.headers["x-sim-replica"]
+        resp = await streams.enter_async_context(c.chat.completions.with_streaming_response.create(
+            model=MODEL, max_tokens=3000, stream=True, messages=[{"role": "user", "content": "load " * 150}]))
+        lines.append(resp.iter_lines())
+        while not (await anext(lines[-1])).startswith("data:"):
+            pass  # up to the first token: the engine runs the request
+        return resp.headers["x-sim-replica"]
+
+    def scraped_as_running(served: list[str]) -> bool:
+        """The sidecar's latest scrape of every replica shows each request placed there running, none waiting."""
+        return all(metric_sum(stack.metrics_url, "sluice_replica_running", replica=a) == served.count(a)
+                   and metric_sum(stack.metrics_url, "sluice_replica_waiting", replica=a) == 0
+                   for a in stack.policy.default_pool.replicas)
 
     async def run() -> list[str]:
-        async with aclient(stack) as c:
-            return await asyncio.gather(*(one(c) for _ in range(12)))
+        served: list[str] = []
+        async with aclient(stack) as c, contextlib.AsyncExitStack() as streams:
+            # each request is placed while the earlier ones generate (3,000 tokens: all still do at the 12th),
+            # once the scrapes show them: what runs where decides, not the moment a scrape caught a request in an
+            # engine's queue on its way to running
+            for _ in range(12):
+                served.append(await open_stream(c, streams))
+                assert await asyncio.to_thread(wait_for, lambda: scraped_as_running(served))
+        return served
 
     # an idle pool first: an earlier test's request holds its slots until Envoy's access log reports its end
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
     served = asyncio.run(run())
     counts = sorted(served.count(a) for a in stack.policy.default_pool.replicas)
-    # 12 equal requests in flight together: 4 on each replica. Each generates 400
-    # tokens (about 2 s), so on a loaded CI machine none ends before the last one is placed (with 60 tokens,
-    # early ones ended and freed their replica first: [2, 3, 7] in a CI run).
-    assert counts == [4, 4, 4], counts
+    assert counts == [4, 4, 4], served
+    # the streams were closed mid-generation: their replicas' accounting is released
     assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_inflight_requests") == 0)
     assert metric_sum(stack.metrics_url, "sluice_inflight_tokens") == 0
 
