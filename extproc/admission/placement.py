@@ -470,7 +470,26 @@ class Placer:
         else:
             s += pol.score_kv_weight * (r.inflight_requests + r.shared_requests) / self._concurrency_bound(r)
         s += pol.score_inflight_weight * (r.inflight_requests + r.shared_requests + 1) / self._sequence_scale(r)
-        return s + pol.score_waiting_weight * r.engine_queue()
+        return s + pol.score_waiting_weight * self.queue_ahead(r)
+
+    def queue_ahead(self, r: Replica) -> int:
+        """Requests a new one would queue behind at r's engine, for the score:
+
+            waiting beyond room + unseen        room = free sequence slots (concurrency bound - running) when the
+                                                waiting prompts fit in the KV left above kv_margin, else 0
+
+        A request the page caught waiting while the engine had a slot and KV for it starts at the engine's next step:
+        a step's delay, which the predicted TTFT already counts. Scored as a full queue place, it made the replica
+        the last choice for a whole scrape interval while the others took a burst (12 equal requests on 3 idle
+        replicas: 2, 3 and 7). The carried requests (`unseen`: still in the engine's API server) count in full."""
+        e = r.engine
+        waiting = e.waiting
+        if waiting:
+            cap = r.kv_capacity_tokens
+            prompts = waiting * r.inflight_prompt_tokens / r.inflight_requests if r.inflight_requests else 0.0
+            if not cap or e.kv_usage + prompts / cap <= 1.0 - self.policy.kv_margin:
+                waiting = max(0, waiting - max(0, self._concurrency_bound(r) - e.running))
+        return waiting + r.unseen_requests
 
     def choose(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> list[Replica] | None:
         """The pin list [best, runner-up] among fitting replicas, or None when nothing fits now (`waited`: seconds

@@ -333,3 +333,20 @@ def test_the_kv_score_does_not_depend_on_when_each_replica_was_scraped():
     new = req(prompt=200, out=1500)
     one_request = p.policy.score_inflight_weight / 64  # what one more request in flight adds to a score
     assert abs(p.score(read, new, 0.5) - p.score(unread, new, 0.5)) < one_request / 2
+
+
+def test_a_request_caught_waiting_while_the_engine_has_room_is_not_a_queue_place():
+    p = placer(n=1, kv_capacity_tokens=65_536)
+    r = p.pool.replicas[0]
+    for _ in range(3):
+        p.commit(r, req(prompt=200, out=100), 0, 0.0)
+    # the page caught the third between its arrival and the engine's next step: slots and KV free
+    scrape(r, 0.1, kv_usage=0.01, running=2, waiting=1)
+    assert p.queue_ahead(r) == 0
+    # at its sequence cap the engine cannot start it: a new request queues behind it
+    r.max_num_seqs = 2
+    assert p.queue_ahead(r) == 1
+    # nor when its KV is full, whatever the slots
+    r.max_num_seqs = 64
+    scrape(r, 0.2, kv_usage=0.95, running=2, waiting=1)
+    assert p.queue_ahead(r) == 1
