@@ -16,7 +16,7 @@ Protocol (one Redis round trip per `interval_s`, never per request; off the hot 
   `stale_after_s`: its load is then visible only through scrapes, as today.
 
 What placement adds (`Load` per replica, from `others()`; the Fleet copies it onto each `Replica`, and
-admission/placement.py `Placer.kv_held` and `_over_concurrency` read it):
+admission/placement.py `Placer.kv_committed` and `_over_concurrency` read it):
   never scraped    own in-flight tokens + others' in-flight tokens (the reservations)
   between scrapes  others' in-flight growth since this sidecar last scraped the replica, on top of the engine's
                    numbers: since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
