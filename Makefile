@@ -72,15 +72,20 @@ REAL_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
 SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
 BENCH_LOCK ?=
 REAL_DIR := bench/results/real
+# The engines of this machine, measured first: every scenario's load, prompt sizes and SLO derive from the preset
+# fitted to them (bench/capacity.py BENCH_PRESET), on the real engines and on the simulator alike.
+REAL_PRESET := $(REAL_DIR)/preset.json
 comma := ,
 bench-real: $(STAMP) vllm-cpu
 	mkdir -p $(REAL_DIR)/sim
+	$(BENCH_LOCK) $(BIN)/python -m bench.vllm_cpu calibrate --json $(REAL_DIR)/calibration.json \
+		--write-preset $(REAL_PRESET)
 	for b in $(REAL_BATCHES); do \
-		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
+		SLUICE_BENCH_PRESET=$(REAL_PRESET) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
 			--json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
 	done
 	for b in $(SIM_BATCHES); do \
-		$(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
+		SLUICE_BENCH_PRESET=$(REAL_PRESET) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
 			--json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
 	done
 	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)

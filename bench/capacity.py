@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 from extproc.sim.engine import Engine, Request
@@ -41,13 +42,20 @@ SLO_SCALE = 5.0   # a user's TTFT SLO = this x the request's latency on an idle 
 SLO_FLOOR_S = 0.5  # ... and never under this
 NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)  # x 10^k: the numbers users write SLOs in
 REAL_MAX_MODEL_LEN = 8192  # the real vLLM-CPU engine's context (bench/vllm_cpu.py MAX_POSITIONS)
+# The preset every scenario derives its workload from, and the one its simulated replicas run: `tiny-cpu`, or a
+# preset file that `python -m bench.vllm_cpu calibrate --write-preset FILE` fitted to the engines of the machine
+# at hand (`make bench-real` does, so a scenario's load, prompt sizes and SLO mean the same on a faster or slower
+# CPU). Read once, at import: the scenarios compute their constants when their modules load.
+BENCH_PRESET = os.environ.get("SLUICE_BENCH_PRESET") or "tiny-cpu"
+if BENCH_PRESET.endswith(".json"):
+    BENCH_PRESET = os.path.abspath(BENCH_PRESET)  # the simulated replicas run in other directories
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """The engine a scenario runs: a preset plus the `sluice sim` flags that change its limits."""
 
-    preset: str = "tiny-cpu"
+    preset: str = BENCH_PRESET
     num_gpu_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from bench.backends import SimBackend, VllmBackend, make_backend
-from bench.capacity import EngineSpec, capacity_rps
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps
 from bench.openloop import Record, raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
@@ -45,6 +45,7 @@ from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arriv
 from extproc.baselines import BaselineOptions
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
+from extproc.sim.presets import get_preset
 
 SYSTEMS = ("sluice", "envoy-rr", "envoy-tuned", "smg")
 TENANT_SHARE = 0.5  # envoy-tuned's rate limit: each tenant at most this share of the pool's capacity
@@ -513,6 +514,13 @@ def finished(run: RunData, info: dict[str, Any], t_start: float) -> tuple[RunDat
 
 
 # ---- all runs ---------------------------------------------------------------------------------------------------
+def preset_meta() -> dict[str, Any]:
+    """The preset the scenarios derived their workload from (bench/capacity.py BENCH_PRESET): its name or file,
+    and what it was fitted to."""
+    p = get_preset(BENCH_PRESET)
+    return {"preset": BENCH_PRESET, "name": p.name, "description": p.description}
+
+
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
                   verbose: bool = True, command: str = "", backend: Backend | None = None,
@@ -537,7 +545,8 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
                             "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {},
-                            "replicas": {sc.id: sc.replicas for sc in scenarios}}
+                            "replicas": {sc.id: sc.replicas for sc in scenarios},
+                            "preset": preset_meta()}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     try:

@@ -475,7 +475,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 CALIBRATION_JSON = REPO / "bench" / "results" / "calibration-vllm-cpu.json"
-SMALL_KV = "40M"  # 80 blocks of 128 tokens in fp32: >= max_model_len, small enough to preempt 8 streams
+SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens: >= max_model_len, small enough to preempt 8 streams (any dtype)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -488,12 +488,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     pa, pb = free_ports(2)
     main_spec = EngineSpec(port=pa, cpu="0", kv_bytes=args.kv)
-    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=SMALL_KV)
+    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv,
+                            extra_args=("--num-gpu-blocks-override", str(SMALL_KV_BLOCKS)))
     engines = start_engines([main_spec, small_spec], Path(args.log_dir))
     command = (f"python -m bench.vllm_cpu calibrate --kv {args.kv}: vllm serve (tiny-llama, --dtype {main_spec.dtype}, "
                f"--max-num-seqs {main_spec.max_num_seqs}, --max-model-len {main_spec.max_model_len}, --enforce-eager, "
                f"--load-format dummy), engine A core 0 --kv-cache-memory-bytes {args.kv}, engine B core 1 "
-               f"--kv-cache-memory-bytes {SMALL_KV}")
+               f"--num-gpu-blocks-override {SMALL_KV_BLOCKS}")
     try:
         return calibrate_main(["--against", engines[0].url, "--preempt-url", engines[1].url,
                                "--max-num-seqs", str(main_spec.max_num_seqs), "--max-model-len",

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
+from bench.capacity import BENCH_PRESET
 from bench.openloop import Arrival, ClientSpec, Record
 
 MODEL = "sim-model"
@@ -391,7 +392,7 @@ class Scenario:
     title = ""
     problem = ""              # one line: the problem as PROBLEMS.md states it
     replicas = 2
-    preset = "tiny-cpu"
+    preset = BENCH_PRESET
     time_scale = 1.0
     sim_args: list[str] = []
     gateway: dict[str, Any] = {}        # gateway section, all systems (Envoy settings)

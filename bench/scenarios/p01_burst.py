@@ -30,12 +30,12 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
 
 PROMPT, OUT = 1000, 64
 REPLICAS = 3
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 CAP = pool_rps(SPEC, REPLICAS, PROMPT, OUT)          # the pool's requests/s for these requests
 BACKGROUND_RPS = 0.25 * CAP
 PRE_BURST, BURST, POST_BURST = round(0.16 * CAP), round(4.0 * CAP), round(0.27 * CAP)

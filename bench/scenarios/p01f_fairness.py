@@ -29,11 +29,11 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd
 
 PROMPT, OUT = 1000, 32
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 CAP = pool_rps(SPEC, 3, PROMPT, OUT)
 FLOOD_X = 10.0
 STEADY_RPS = 1.5 * CAP / FLOOD_X

@@ -28,11 +28,11 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd
 
 NORMAL, HEAVY = (1000, 48), (6000, 96)
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 _CN, _CH = capacity_rps(SPEC, *NORMAL), capacity_rps(SPEC, *HEAVY)
 RATE = 0.35 * 2 * _CN
 # share s of heavy arrivals with RATE x (s / C_heavy + (1 - s) / C_normal) = 1.5 x replicas

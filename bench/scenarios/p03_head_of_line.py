@@ -27,12 +27,12 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, capacity_rps, prompt_for_ttft, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, prompt_for_ttft, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import (Metric, RunData, Scenario, Workload, chat, in_windows, pct, ratio, rnd)
 
 SHORT_SIZES = (500, 800, 1000)
 SHORT_OUT, LONG_OUT = 16, 8
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 SHORT_RPS = 0.2 * 2 * capacity_rps(SPEC, round(sum(SHORT_SIZES) / 3), SHORT_OUT)
 LONG_PROMPT = prompt_for_ttft(SPEC, 2.0, LONG_OUT)
 LONG_PERIOD = round(1.75 * ttft_alone_s(SPEC, LONG_PROMPT), 2)

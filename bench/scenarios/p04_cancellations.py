@@ -51,11 +51,11 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
-from bench.capacity import EngineSpec, decode_tok_s, mix_capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, decode_tok_s, mix_capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
 
 PROMPT = 1500
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
 TIMEOUT_S = 1.5 * SLO_TTFT_S
 LINGER_CAP_S = 30.0

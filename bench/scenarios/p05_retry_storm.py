@@ -32,11 +32,11 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
-from bench.capacity import EngineSpec, latency_alone_s, pool_rps, slo_ttft_s
+from bench.capacity import BENCH_PRESET, EngineSpec, latency_alone_s, pool_rps, slo_ttft_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
 PROMPT, OUT = 1000, 48
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 LOAD_SHARE = 0.5
 RATE = LOAD_SHARE * pool_rps(SPEC, 2, PROMPT, OUT)
 SLO_TTFT_S = slo_ttft_s(latency_alone_s(SPEC, PROMPT, OUT))

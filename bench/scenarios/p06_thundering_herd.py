@@ -35,11 +35,11 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
-from bench.capacity import EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
 PROMPT, OUT = 1000, 32
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 RATE = 0.5 * 3 * capacity_rps(SPEC, PROMPT, OUT)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, PROMPT))
 OVER = max(1, round(SLO_TTFT_S * capacity_rps(SPEC, PROMPT, OUT)))  # requests in a replica beyond the SLO

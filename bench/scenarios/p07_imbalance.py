@@ -32,16 +32,16 @@ The one Envoy worker thread (`gateway.envoy_concurrency: 1`) is environment: eve
 from __future__ import annotations
 
 from bench.openloop import Arrival
-from bench.capacity import (EngineSpec, blocks_for_tokens, mix_capacity_rps, prompt_for_ttft, slo_ttft_s,
+from bench.capacity import (BENCH_PRESET, EngineSpec, blocks_for_tokens, mix_capacity_rps, prompt_for_ttft, slo_ttft_s,
                             ttft_alone_s)
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd
 
-_BASE = EngineSpec.of("tiny-cpu")
+_BASE = EngineSpec.of(BENCH_PRESET)
 LONG_PROMPT, LONG_OUT = prompt_for_ttft(_BASE, 0.5, 48), 48
 TYPES = (("long-context", LONG_PROMPT, LONG_OUT), ("short", 300, 16), ("long-generation", 400, 300),
          ("tiny", 60, 4))
 KV_BLOCKS = blocks_for_tokens(_BASE, 8 * (LONG_PROMPT + LONG_OUT))
-SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
+SPEC = EngineSpec.of(BENCH_PRESET, ["--num-gpu-blocks", str(KV_BLOCKS)])
 LOAD = 0.6  # of the pool's compute capacity for the mix
 
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival, ClientSpec
-from bench.capacity import EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
 
 SLOW = 20.0
 PROMPT, OUT = 500, 32
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 LOAD = 1 / 3  # of the pool's capacity
 
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 import random
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, blocks_for_tokens, mix_capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, mix_capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, ttfts_censored
 
 SHORT, LONG = (300, 24), (3000, 240)
-_BASE = EngineSpec.of("tiny-cpu")  # the engine's compute, with the preset's full KV cache
+_BASE = EngineSpec.of(BENCH_PRESET)  # the engine's compute, with the preset's full KV cache
 KV_BLOCKS = blocks_for_tokens(_BASE, round(3.8 * sum(LONG)))
-SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
+SPEC = EngineSpec.of(BENCH_PRESET, ["--num-gpu-blocks", str(KV_BLOCKS)])
 RATE = 0.7 * 2 * mix_capacity_rps(_BASE, [(0.5, *SHORT), (0.5, *LONG)])  # "GPU at 70 %": KV is what runs out
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG[0]))
 

@@ -37,7 +37,7 @@ import random
 from typing import Any
 
 from bench.openloop import Arrival
-from bench.capacity import EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import MODEL, Metric, RunData, Scenario, Workload, mean, pct, rnd, text_of
 
 SHIFT_METRIC = "sluice_prompt_shift_events_total"
@@ -46,7 +46,7 @@ CAPACITY_METRIC = "sluice_prompt_capacity_requests_per_second"
 
 OUTPUT = 48
 AFTER_PROMPT = 5500  # system 1,330 + knowledge 1,670 + history 2,500 (the usage's count replaces it when known)
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 RATE = 2 * 2 * capacity_rps(SPEC, AFTER_PROMPT, OUTPUT)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, AFTER_PROMPT))
 

@@ -37,14 +37,14 @@ from __future__ import annotations
 import random
 import zlib
 
-from bench.capacity import EngineSpec, capacity_rps, pool_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import Call, Metric, RunData, Scenario, Workload, chat, pct, rnd
 
 MAX_CALLS = 30
 CTX0, CTX_STEP, CALL_OUT = 300, 60, 16
 INTERACTIVE = (300, 24)
-SPEC = EngineSpec.of("tiny-cpu")
+SPEC = EngineSpec.of(BENCH_PRESET)
 INTERACTIVE_RPS = 0.05 * pool_rps(SPEC, 2, *INTERACTIVE)
 _TASK_SECONDS = sum(1.0 / capacity_rps(SPEC, CTX0 + CTX_STEP * k, CALL_OUT) for k in range(MAX_CALLS))
 TASK_EVERY_S = round(_TASK_SECONDS / (1.5 * 2), 2)  # engine-seconds per task / (1.5 x replicas)

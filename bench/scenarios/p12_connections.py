@@ -31,13 +31,13 @@ gets it; smg has no such setting and runs with its own defaults.
 
 from __future__ import annotations
 
-from bench.capacity import EngineSpec, blocks_for_tokens, decode_tok_s, slo_ttft_s
+from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, decode_tok_s, slo_ttft_s
 from bench.openloop import Arrival, ClientSpec
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
 
 PROMPT, OUT = 20, 400
 QUICK_STREAMS, FULL_STREAMS = 1000, 5000
-_BASE = EngineSpec.of("tiny-cpu")
+_BASE = EngineSpec.of(BENCH_PRESET)
 _PER_REPLICA = QUICK_STREAMS // 2
 SLOW = max(1, round(decode_tok_s(_BASE, _PER_REPLICA, PROMPT + OUT // 2)))  # -> ~1 token/s per stream
 KV_BLOCKS = blocks_for_tokens(_BASE, FULL_STREAMS * (PROMPT + OUT + 64))

@@ -28,11 +28,11 @@ system gets them.
 
 from __future__ import annotations
 
-from bench.capacity import EngineSpec, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival, ClientSpec
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
 
-SLO_TTFT_S = slo_ttft_s(ttft_alone_s(EngineSpec.of("tiny-cpu"), 300))
+SLO_TTFT_S = slo_ttft_s(ttft_alone_s(EngineSpec.of(BENCH_PRESET), 300))
 
 
 class S(Scenario):

@@ -44,16 +44,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.capacity import EngineSpec, blocks_for_tokens, pool_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival
 from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd
 
 LONG, SHORT = (400, 700), (300, 32)
 REPLICAS, GATEWAYS = 3, 3
 FITS = 10                                     # long generations one replica's KV holds at their full length
-_BASE = EngineSpec.of("tiny-cpu")
+_BASE = EngineSpec.of(BENCH_PRESET)
 KV_BLOCKS = blocks_for_tokens(_BASE, FITS * sum(LONG))
-SPEC = EngineSpec.of("tiny-cpu", ["--num-gpu-blocks", str(KV_BLOCKS)])
+SPEC = EngineSpec.of(BENCH_PRESET, ["--num-gpu-blocks", str(KV_BLOCKS)])
 BURST = round(2.5 * FITS * REPLICAS)
 BACKGROUND_RPS = 0.1 * pool_rps(SPEC, REPLICAS, *SHORT)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG[0]))

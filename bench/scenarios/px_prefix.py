@@ -52,7 +52,7 @@ import functools
 import random
 from typing import Any
 
-from bench.capacity import EngineSpec, blocks_for_tokens, drive, slo_ttft_s
+from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, drive, slo_ttft_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of
 from extproc.sim.engine import Request, block_hashes
@@ -68,7 +68,7 @@ REPLICAS = 2
 LOAD = 0.6  # offered load / the best router's pool capacity (`best_router_rps`)
 SATURATED = 200  # single-turn requests queued at once on each replica to measure its capacity
 KV_LIMIT = 0.9  # sluice's admission limit at its defaults: 1 - admission.kv_margin (0.1)
-_BASE = EngineSpec.of("tiny-cpu")
+_BASE = EngineSpec.of(BENCH_PRESET)
 
 
 def system_tokens(app: int) -> int:

@@ -49,6 +49,7 @@ HOL_LONG, HOL_SHORT, HOL_OFFSETS = 4000, 100, 8
 PREFIX_TOTAL, PREFIX_HIT = 4000, 3968
 DECODE_PROMPT, DECODE_OUT = 128, 128
 PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT = 8, 1024, 1024
+KEEPALIVE_S = 1.0  # the measuring client's idle keep-alive, under the servers' (uvicorn: 5 s)
 FIT_COST = ("base", "prefill_tok", "decode_seq", "attn_pair", "attn_ctx_pair", "kv_read_tok", "frontend",
             "frontend_tok")
 
@@ -126,15 +127,24 @@ def sim_ttft(p: Preset, prompt: int) -> float:
     return r.first_token_at - r.arrival
 
 
-def sim_decode(p: Preset, streams: int) -> float:
-    """Sum over streams of tokens/s after the first token (``measure.LiveEngine.decode``)."""
+def sim_decode(p: Preset, streams: int, method: str = "batch") -> float:
+    """Tokens/s of a batch of streams sent together, as ``measure.LiveEngine.decode`` measures it.
+
+    ``method`` is the measurement's (its ``extra.decode_method``): "batch" (``measure.batch_rate``: every token
+    from the first send to the last token), or "stream" for a measurement taken before it (the sum over streams of
+    each one's tokens after its first, over its own first-to-last span)."""
+    from .measure import batch_rate
+
     reqs = [Request(f"s{i}", DECODE_PROMPT, DECODE_OUT) for i in range(streams)]
     run_offline(_engine(p), [(0.0, r) for r in reqs])
-    total = 0.0
+    if method == "stream":
+        return sum((r.num_output - 1) / (r.last_token_at - r.first_token_at) for r in reqs  # type: ignore[operator]
+                   if r.first_token_at is not None)
+    times: list[list[float]] = []
     for r in reqs:
-        assert r.first_token_at is not None
-        total += (r.num_output - 1) / (r.last_token_at - r.first_token_at)
-    return total
+        assert r.last_token_at is not None
+        times.append([r.last_token_at] * r.num_output)
+    return batch_rate([r.arrival for r in reqs], times)
 
 
 def hol_offsets(long_ttft: float) -> list[float]:
@@ -191,7 +201,7 @@ def simulate(spec: RowSpec, p: Preset, extra: dict[str, Any]) -> float:
     if k == "ttft":
         return sim_ttft(p, spec.arg)
     if k == "decode":
-        return sim_decode(p, spec.arg)
+        return sim_decode(p, spec.arg, extra.get("decode_method", "stream"))
     if k in ("hol_mean", "hol_max"):
         hol = sim_hol(p, extra["hol_offsets"])
         return sum(hol) / len(hol) if k == "hol_mean" else max(hol)
@@ -286,7 +296,10 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         log(f"  {name:<36} {v:.6g}")
 
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # Idle connections close on this side after 1 s: uvicorn (vLLM's API server) closes them after 5 s, and a
+    # request sent on a connection the server is closing fails with ServerDisconnectedError.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         eng = LiveEngine(url, session, vocab=settings["vocab"], seed=1)
         version = await eng.version()
         blocks, block_size = await eng.kv_capacity()
@@ -297,7 +310,7 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
                 put(s.name, await eng.ttft(s.arg, repeats))
         for s in ROW_SPECS:
             if s.kind == "decode":
-                put(s.name, await eng.decode(s.arg, max(2, repeats // 2), DECODE_PROMPT, DECODE_OUT))
+                put(s.name, await eng.decode(s.arg, max(3, repeats // 2), DECODE_PROMPT, DECODE_OUT))
         long_ttft = median(await eng.ttft(HOL_LONG, repeats))
         offsets = hol_offsets(long_ttft)
         per_offset = [median(xs) for xs in await eng.hol(offsets, 3, HOL_LONG, HOL_SHORT)]
@@ -313,7 +326,8 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         for s in ROW_SPECS:
             if s.kind == "metrics":
                 put(s.name, await eng.metrics_latency(s.arg, s.arg2, polls=30))
-        extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets], "abort_extra_tokens": extra_tokens}
+        extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets], "abort_extra_tokens": extra_tokens,
+                                 "decode_method": "batch"}
         if preempt_url:
             small = LiveEngine(preempt_url, session, vocab=settings["vocab"], seed=2)
             contended = await eng.metrics_latency(64, 3, polls=40, partner=small)
@@ -323,8 +337,10 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
             pblocks, pbs = await small.kv_capacity()
             if pbs != block_size:
                 raise RuntimeError(f"{preempt_url}: block size {pbs}, the main engine's is {block_size}")
+            # At least 3 repeats, their median: on a fast engine a preemption's recompute stall lasts tens of ms,
+            # as long as a client-side hiccup, so one repeat in a few may mark its stall early.
             put("preempt_onset_tokens", await small.preempt_onset(PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT,
-                                                                   max(2, repeats // 2)))
+                                                                   max(3, repeats)))
             extra["preempt_blocks"] = pblocks
             extra["preempt_url_version"] = await small.version()
     return {

@@ -9,8 +9,8 @@ probe repeats and keeps the median: the machine is shared and noisy.
 Probes (all times in seconds, as the client sees them):
 
 * ``ttft(n)``: one request of ``n`` prompt tokens on an idle engine, time to its first token;
-* ``decode(b)``: ``b`` streams of 128 prompt tokens started together; the sum over streams of
-  ``(tokens - 1) / (last token time - first token time)``, in tokens/s;
+* ``decode(b)``: ``b`` streams of 128 prompt tokens started together; every token of the batch over the
+  time from the first send to the last token (``batch_rate``), in tokens/s;
 * ``hol(offsets)``: a 100-token request sent ``offset`` seconds after a 4,000-token one; its TTFT;
 * ``prefix_hit``: a prompt whose first ``hit`` tokens were just computed for another request (same
   ids, other suffix); its TTFT;
@@ -18,7 +18,8 @@ Probes (all times in seconds, as the client sees them):
 * ``abort``: one decoding stream is closed by the client; the time until ``vllm:num_requests_running``
   reads 0 (the midpoint of the first scrape that shows it), and the tokens generated after the close;
 * ``preempt_onset``: ``streams`` requests that grow until the KV cache is full (a small-KV engine):
-  the tokens all streams received before the first preempted stream stalls;
+  the tokens all streams received before the first preempted stream stalls (alone: a gap in which every
+  stream stopped is the client, not a preemption);
 * ``metrics_latency(streams, long_prompts)``: how long ``GET /metrics`` takes while ``streams``
   decodes run and ``long_prompts`` 4,000-token prompts are prefilled one after another; with
   ``partner``, a second engine on the same machine carries the same load meanwhile (two busy engines
@@ -35,7 +36,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import aiohttp
 import orjson
@@ -59,20 +60,44 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 STALL_FACTOR = 4.0
+OTHERS_MOVING = 2  # tokens another stream must receive during a gap for the gap to be a stall of its own
 
 
-def stall_start(times: list[float], after: float) -> float:
+def stall_start(times: list[float], after: float, others: Sequence[list[float]] = ()) -> float:
     """Arrival time of the token before a stream's first long gap that starts after ``after`` (inf: none).
 
-    ``after`` skips the start, where the other streams' prefills stretch every decode step."""
+    ``after`` skips the start, where the other streams' prefills stretch every decode step. With ``others`` (the
+    batch's other streams), a gap counts only while another stream received at least ``OTHERS_MOVING`` tokens in
+    it: a preempted stream stops alone, while a client that was descheduled sees every stream stop at once."""
     gaps = [b - a for a, b in zip(times, times[1:])]
     if len(gaps) < 3:
         return math.inf
     limit = max(STALL_FACTOR * median(gaps), 0.05)
     for i, g in enumerate(gaps):
-        if times[i] > after and g > limit:
+        if times[i] > after and g > limit and (not others or _moving(others, times[i], times[i + 1])):
             return times[i]
     return math.inf
+
+
+def _moving(others: Sequence[list[float]], start: float, end: float) -> bool:
+    """Another stream received OTHERS_MOVING tokens strictly between ``start`` and ``end``."""
+    return any(sum(1 for t in o if start < t < end) >= OTHERS_MOVING for o in others)
+
+
+def batch_rate(sent: list[float], token_times: list[list[float]]) -> float:
+    """Tokens/s of a batch of streams sent together, from the first send to the last token of any stream:
+
+        rate = sum(tokens of every stream) / (last token of any stream - first send)
+
+    The span includes the batch's prefill (a few percent of it for the decode probes' short prompts); both
+    sides of the calibration (`calibrate.sim_decode`) measure it so. Not a sum of per-stream rates over each
+    stream's own first-to-last tokens: a stream's tokens can arrive in one lump (a descheduled client, or a
+    busy API server flushing late), and a rate over a lump is unbounded."""
+    lasts = [t[-1] for t in token_times if t]
+    if not lasts or not sent:
+        return 0.0
+    span = max(lasts) - min(sent)
+    return sum(len(t) for t in token_times) / span if span > 0 else 0.0
 
 
 def machine_info() -> dict[str, Any]:
@@ -220,7 +245,7 @@ class LiveEngine:
         for _ in range(repeats):
             await self.idle()
             res = await asyncio.gather(*(self.stream(self.prompt(prompt), out_tokens) for _ in range(streams)))
-            out.append(sum(r.rate for r in res))
+            out.append(batch_rate([r.sent for r in res], [r.token_times for r in res]))
         return out
 
     async def hol(self, offsets: list[float], repeats: int, long: int = 4000, short: int = 100) -> list[list[float]]:
@@ -294,7 +319,8 @@ class LiveEngine:
                 raise RuntimeError(f"{self.url}: {streams} streams of {prompt}+{out_tokens} tokens caused no "
                                    "preemption; the engine's KV cache is too large for this probe")
             started = max(r.token_times[0] for r in res)
-            stall = min((stall_start(r.token_times, started) for r in res), default=math.inf)
+            stall = min((stall_start(r.token_times, started, [o.token_times for o in res if o is not r])
+                         for r in res), default=math.inf)
             out.append(float(sum(1 for r in res for t in r.token_times if t <= stall)))
         return out
 
