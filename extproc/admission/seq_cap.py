@@ -22,6 +22,8 @@ chunk over a 4,000-token prefix: 0.9 s on tiny-cpu), while the page is scraped e
 one step show the same running count with requests waiting for the step's token budget, not for a slot; read
 as evidence, they taught PX's replicas caps of 3-10 against a real 64. Why the peak rule: an engine never runs
 more than its cap, so a count below what it already ran is not one.
+An engine full of streams that do not end (no request starts) teaches no cap: its waiting count then stops
+placement there (placement.py's engine-queue limit, max_waiting_per_replica), as for any replica.
 
 The placer (placement.py `_over_concurrency`) uses it: with the cap known, a replica is full when running +
 waiting + placed since the scrape reaches cap x health weight + max_waiting_per_replica (requests beyond it
