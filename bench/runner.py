@@ -1,4 +1,4 @@
-"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-tuned,smg] [--quick] [--json FILE]`
+"""`sluice bench run SCENARIO... [--systems sluice,envoy-rr,envoy-tuned,smg] [--quick] [--seeds N] [--json FILE]`
 
 Runs the P1..P13 scenarios (`all` = every one) against each system in turn: `sluice` (Envoy + the sidecar at its
 shipped defaults, told only the scenario's deployment facts: `_meta.sluice_policy`), `envoy-rr` (Envoy round
@@ -9,6 +9,12 @@ starts the same simulated replica pool fresh (same preset, same seeds) with that
 replica's /sim/state every 250 ms (running, waiting, KV usage, preemptions, ghost tokens), samples Envoy and
 sidecar memory and the sidecar metrics the scenario asks for, injects the scenario's faults, then stops the
 stack (by PID, in order) and computes the scenario's metrics.
+
+Repetitions: `--seeds N` runs each (scenario, system) N times; repetition k replays another workload of the
+same shape and rate (every scenario draws its arrivals from `base.workload_rng`, Random(seed + 1000 k)) with
+the simulators and clients seeded seed + k, and reports per metric the median over the repetitions, with
+`spread` ([min, max]) and `per_rep` next to it in the JSON and "median [min-max]" in the tables. A single run
+of a noisy scenario decides nothing; judge it on the medians.
 
 Outputs:
   --json FILE                 {"P3": {"sluice": {metric: value|null|{class: value}}, "envoy-rr": {...}, ...}, ...,
@@ -27,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +48,8 @@ from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps
 from bench.openloop import Record, raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
-from bench.scenarios.base import MODEL, RunData, Scenario, Workload, scale_arrivals, worst_class_ratio
+from bench.scenarios.base import (MODEL, RunData, Scenario, Workload, scale_arrivals, set_workload_rep,
+                                  worst_class_ratio)
 from extproc.baselines import BaselineOptions
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
@@ -521,11 +529,63 @@ def preset_meta() -> dict[str, Any]:
     return {"preset": BENCH_PRESET, "name": p.name, "description": p.description}
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def combine_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's metrics over repetitions (`--seeds N`): each numeric metric is the median of the repetitions
+    that produced it (statistics.median: the middle value, or the mean of the two middle ones), `spread` holds
+    [min, max] per numeric metric, `per_rep` every repetition's numbers, `reps` their count; other values (per
+    class dicts, diagnostics) are the last repetition's. One repetition is returned unchanged."""
+    if len(reps) == 1:
+        return reps[0]
+    out: dict[str, Any] = dict(reps[-1])
+    spread: dict[str, list[float]] = {}
+    keys = [k for k in reps[-1] if k not in ("spread", "per_rep", "reps")]
+    for k in keys:
+        vals = [m[k] for m in reps if _is_number(m.get(k))]
+        if vals and all(m.get(k) is None or _is_number(m.get(k)) for m in reps):
+            out[k] = round(statistics.median(vals), 4)
+            spread[k] = [min(vals), max(vals)]
+    out["spread"] = spread
+    out["per_rep"] = [{k: m.get(k) for k in spread} for m in reps]
+    out["reps"] = len(reps)
+    return out
+
+
+def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, workdir: Path,
+             backend: Backend) -> tuple[list[tuple[RunData | None, dict[str, Any]]], list[dict[str, Any]]]:
+    """`seeds` runs of one system: repetition k builds the workload of `set_workload_rep(k)` (other arrivals of
+    the same shape) and seeds the simulators and clients with seed + k. Returns every run with its info (a run
+    whose metrics failed: its info's error) and the metrics of those that produced them."""
+    done: list[tuple[RunData | None, dict[str, Any]]] = []
+    metrics: list[dict[str, Any]] = []
+    try:
+        for k in range(max(1, seeds)):
+            set_workload_rep(k)
+            if sc.systems:
+                run, info = sc.run_system(system, quick, seed + k, workdir, backend)
+            else:
+                run, info = run_one(sc, system, quick, seed + k, workdir, backend)
+            done.append((run, info))
+            if run is None:
+                continue
+            try:
+                metrics.append({**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)})
+            except Exception as exc:  # noqa: BLE001 - the other repetitions still count
+                traceback.print_exc()
+                info["error"] = f"metrics failed: {exc}"
+    finally:
+        set_workload_rep(0)
+    return done, metrics
+
+
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
                   verbose: bool = True, command: str = "", backend: Backend | None = None,
-                  replicas: int | None = None, json_path: Path | None = None) -> dict[str, Any]:
-    """Every scenario x system. `replicas` runs each scenario on a pool of that size (rates that follow the pool
+                  replicas: int | None = None, json_path: Path | None = None, seeds: int = 1) -> dict[str, Any]:
+    """Every scenario x system, each `seeds` times (`run_reps`; metrics the median over them, `combine_reps`). `replicas` runs each scenario on a pool of that size (rates that follow the pool
     scale with it); a real backend's pool is its engines (`backend.pool_size`). `json_path` is rewritten after
     every scenario, so a run cut short keeps the scenarios it finished."""
     from bench import report
@@ -542,7 +602,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
     out: dict[str, Any] = {}
     meta: dict[str, Any] = {"command": command or f"run_scenarios({names}, quick={quick})",
                             "commit": report.git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                            "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed,
+                            "runs": {}, "reproduced": {}, "why": {}, "quick": quick, "seed": seed, "seeds": seeds,
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
                             "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {},
                             "replicas": {sc.id: sc.replicas for sc in scenarios},
@@ -561,27 +621,30 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             for system in sc.systems or systems:
                 if verbose:
                     print(f"[{sc.id}] {system} ...", flush=True)
-                if sc.systems:
-                    run, info = sc.run_system(system, quick, seed, workdir, backend)
-                else:
-                    run, info = run_one(sc, system, quick, seed, workdir, backend)
+                done, reps = run_reps(sc, system, quick, seed, seeds, workdir, backend)
+                run, info = next(((r, i) for r, i in reversed(done) if r is not None), done[-1])
+                if seeds > 1:
+                    info = {**info, "wall_s": round(sum(i.get("wall_s") or 0 for _r, i in done), 1),
+                            "reps_ok": len(reps)}
                 meta["runs"].setdefault(sc.id, {})[system] = info
-                if run is None:
+                if not reps:
                     out[sc.id][system] = {m.key: None for m in sc.metrics_doc}
                     meta["errors"].setdefault(sc.id, {})[system] = info.get("error")
                     print(f"[{sc.id}] {system}: ERROR {info.get('error')}", flush=True)
+                    if run is not None:
+                        runs[system] = run
                     continue
-                try:
-                    metrics = {**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)}
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc()
-                    metrics = {m.key: None for m in sc.metrics_doc}
-                    meta["errors"].setdefault(sc.id, {})[system] = f"metrics failed: {exc}"
+                metrics = combine_reps(reps)
                 out[sc.id][system] = metrics
-                runs[system] = run
+                if run is not None:
+                    runs[system] = run
                 if verbose:
                     short = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if not isinstance(v, (dict, list)))
                     print(f"[{sc.id}] {system}: {short}  ({info.get('wall_s')} s wall)", flush=True)
+                    if metrics.get("reps"):
+                        keys = [k for k in dict.fromkeys(("slo_goodput_rps", *sc.headline)) if k in metrics["spread"]]
+                        print(f"[{sc.id}] {system}: per repetition: " + "; ".join(
+                            f"{k} {[m.get(k) for m in metrics['per_rep']]}" for k in keys), flush=True)
             if "sluice" in out[sc.id] and out[sc.id]["sluice"]:
                 ratio, cls = worst_class_ratio(out[sc.id], sc.refused_classes)
                 out[sc.id]["sluice"]["worst_class_ratio"] = ratio
@@ -637,6 +700,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter workloads (about 20 s per system-run)")
     parser.add_argument("--json", help="write {scenario: {system: {metric: value}}} here")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="run each system N times, repetition k with another workload of the same shape "
+                             "(scenarios' workload_rng) and seed + k; metrics are the medians, with [min, max]")
     parser.add_argument("--results-dir", default=str(RESULTS), help="per-scenario tables and plots")
     parser.add_argument("--summary", default=None,
                         help=f"markdown summary of every table (default: {SUMMARY} when every scenario and system "
@@ -666,7 +732,7 @@ def main(argv: list[str]) -> int:
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
                            command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas,
-                           json_path=Path(args.json) if args.json else None)
+                           json_path=Path(args.json) if args.json else None, seeds=args.seeds)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -674,7 +740,7 @@ def main(argv: list[str]) -> int:
     summary = args.summary
     if summary is None:
         complete = (set(names) == {s.id for s in get_scenarios(["all"])} and set(systems) == set(SYSTEMS)
-                    and args.backend == "sim" and args.replicas is None)
+                    and args.backend == "sim" and args.replicas is None and args.seeds == 1)
         summary = str(SUMMARY) if complete else ""
     if summary:
         report.write_summary(result, Path(summary), results_dir)

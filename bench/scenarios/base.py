@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 
 import math
+import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
@@ -210,6 +211,25 @@ class RunData:
 
 
 # ---- small numeric helpers ------------------------------------------------------------------------------------
+_WORKLOAD_REP = [0]  # the repetition whose workload scenarios build (`sluice bench run --seeds N`)
+REP_SEED_STRIDE = 1000
+
+
+def set_workload_rep(rep: int) -> None:
+    """Scenarios build repetition `rep`'s workload from now on (0: the published one)."""
+    _WORKLOAD_REP[0] = rep
+
+
+def workload_rep() -> int:
+    return _WORKLOAD_REP[0]
+
+
+def workload_rng(seed: int) -> random.Random:
+    """A scenario's workload randomness: Random(seed + REP_SEED_STRIDE x rep), so repetition 0 is the published
+    workload and each further repetition (`--seeds N`) draws other arrivals of the same shape and rate."""
+    return random.Random(seed + REP_SEED_STRIDE * _WORKLOAD_REP[0])
+
+
 def pct(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (the smallest value with at least q % of the data at or below it); None for no
     data (the report shows "none"); `bench.loadgen.percentile` is the same rule with NaN for no data."""

@@ -27,11 +27,10 @@ Sluice is told: the SLO (`admission.ttft_target_s`); everything else at its ship
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, workload_rng
 
 PROMPT, OUT = 1000, 64
 REPLICAS = 3
@@ -64,7 +63,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         duration = 10.0 if quick else 30.0
-        rng = random.Random(1)
+        rng = workload_rng(1)
         arrivals: list[Arrival] = []
         n = 0
 

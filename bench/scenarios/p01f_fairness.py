@@ -26,11 +26,10 @@ queue treats them at equal weight (default). `admission.tenant_prefill_share` st
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd, workload_rng
 
 PROMPT, OUT = 1000, 32
 SPEC = EngineSpec.of(BENCH_PRESET)
@@ -70,7 +69,7 @@ class S(Scenario):
         arrivals: list[Arrival] = []
         n = 0
         for tenant, rate, start, seed in (("steady", STEADY_RPS, 0.1, 21), ("flood", STEADY_RPS * FLOOD_X, t_flood, 22)):
-            rng = random.Random(seed)
+            rng = workload_rng(seed)
             t = start
             while t < duration:
                 arrivals.append(Arrival(at=t, body=chat(PROMPT, OUT, salt=n), kind=tenant,

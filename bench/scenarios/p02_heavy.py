@@ -25,11 +25,10 @@ heavy prompts (1.7 s of prefill against a 0.5 s SLO) go to the long lane.
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, ratio, rnd, workload_rng
 
 NORMAL, HEAVY = (1000, 48), (6000, 96)
 SPEC = EngineSpec.of(BENCH_PRESET)
@@ -62,7 +61,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         h0, h1, duration = self.phase(quick)
-        rng = random.Random(2)
+        rng = workload_rng(2)
         arrivals = []
         t, n, owed = 0.1, 0, 0.0
         while t < duration:

@@ -24,11 +24,10 @@ Sluice is told: the SLO (`admission.ttft_target_s`). Lanes at their defaults (sh
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, prompt_for_ttft, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import (Metric, RunData, Scenario, Workload, chat, in_windows, pct, ratio, rnd)
+from bench.scenarios.base import (Metric, RunData, Scenario, Workload, chat, in_windows, pct, ratio, rnd, workload_rng)
 
 SHORT_SIZES = (500, 800, 1000)
 SHORT_OUT, LONG_OUT = 16, 8
@@ -60,7 +59,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         duration = 11.0 if quick else 40.0
-        rng = random.Random(3)
+        rng = workload_rng(3)
         arrivals: list[Arrival] = []
         t = 0.2
         n = 0

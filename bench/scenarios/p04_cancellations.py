@@ -48,11 +48,10 @@ The `no-abort` variant (P4n, `p04n_no_abort.py`) runs the same workload on repli
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival, ClientSpec
 from bench.capacity import BENCH_PRESET, EngineSpec, decode_tok_s, mix_capacity_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, rnd, workload_rng
 
 PROMPT = 1500
 SPEC = EngineSpec.of(BENCH_PRESET)
@@ -108,7 +107,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         duration = 8.0 if quick else 30.0
-        rng, lengths = random.Random(4), random.Random(44)
+        rng, lengths = workload_rng(4), workload_rng(44)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:

@@ -29,11 +29,10 @@ it 429 with `x-should-retry: false`).
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival, ClientSpec
 from bench.capacity import BENCH_PRESET, EngineSpec, latency_alone_s, pool_rps, slo_ttft_s
-from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
+from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd, workload_rng
 
 PROMPT, OUT = 1000, 48
 SPEC = EngineSpec.of(BENCH_PRESET)
@@ -68,7 +67,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         s0, s1, duration = self.phases(quick)
-        rng = random.Random(5)
+        rng = workload_rng(5)
         spec = ClientSpec(timeout_s=SDK_TIMEOUT_S, business_retries=2, business_backoff_s=0.2)
         arrivals = []
         t, n = 0.1, 0

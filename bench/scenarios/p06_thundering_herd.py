@@ -32,11 +32,10 @@ wait at their defaults.
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival, ClientSpec
 from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
+from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd, workload_rng
 
 PROMPT, OUT = 1000, 32
 SPEC = EngineSpec.of(BENCH_PRESET)
@@ -68,7 +67,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         down, up, duration = self.phases(quick)
-        rng = random.Random(6)
+        rng = workload_rng(6)
         spec = ClientSpec(business_retries=8, business_backoff_s=1.0, timeout_s=20.0)
         arrivals = []
         t, n = 0.1, 0

@@ -26,11 +26,10 @@ threshold, 15 s by default, TPS floor, error rate, drain, probe, slow start) at 
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival, ClientSpec
 from bench.capacity import BENCH_PRESET, EngineSpec, pool_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd
+from bench.scenarios.base import Call, Fault, Metric, RunData, Scenario, Workload, chat, pct, phase_of, rnd, workload_rng
 
 SLOW = 20.0
 PROMPT, OUT = 500, 32
@@ -72,7 +71,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         t_fault, duration = self.phases(quick)
-        rng = random.Random(8)
+        rng = workload_rng(8)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:

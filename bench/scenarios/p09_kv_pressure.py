@@ -27,11 +27,10 @@ Sluice is told: the SLO (`admission.ttft_target_s`); the KV margin at its defaul
 
 from __future__ import annotations
 
-import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, mix_capacity_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, ttfts_censored
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, pct, rnd, ttfts_censored, workload_rng
 
 SHORT, LONG = (300, 24), (3000, 240)
 _BASE = EngineSpec.of(BENCH_PRESET)  # the engine's compute, with the preset's full KV cache
@@ -65,7 +64,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         t_mix, duration = self.phases(quick)
-        rng = random.Random(9)
+        rng = workload_rng(9)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:

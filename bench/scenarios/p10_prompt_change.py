@@ -33,12 +33,11 @@ observed (`streaming.sample_rate` 0, the default): prompt estimates are calibrat
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
-from bench.scenarios.base import MODEL, Metric, RunData, Scenario, Workload, mean, pct, rnd, text_of
+from bench.scenarios.base import MODEL, Metric, RunData, Scenario, Workload, mean, pct, rnd, text_of, workload_rng
 
 SHIFT_METRIC = "sluice_prompt_shift_events_total"
 CAPACITY_METRIC = "sluice_prompt_capacity_requests_per_second"
@@ -85,7 +84,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         t_change, duration = self.phases(quick)
-        rng = random.Random(10)
+        rng = workload_rng(10)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:

@@ -34,12 +34,11 @@ across sidecars.
 
 from __future__ import annotations
 
-import random
 import zlib
 
 from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival, Ctx
-from bench.scenarios.base import Call, Metric, RunData, Scenario, Workload, chat, pct, rnd
+from bench.scenarios.base import Call, Metric, RunData, Scenario, Workload, chat, pct, rnd, workload_rng
 
 MAX_CALLS = 30
 CTX0, CTX_STEP, CALL_OUT = 300, 60, 16
@@ -95,7 +94,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         t_agents, duration = self.phases(quick)
-        rng = random.Random(11)
+        rng = workload_rng(11)
         arrivals = []
         t, n = 0.1, 0
         while t < duration:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 import traceback
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any
 
 from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, pool_rps, slo_ttft_s, ttft_alone_s
 from bench.openloop import Arrival
-from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd
+from bench.scenarios.base import Metric, RunData, Scenario, Workload, chat, mean, pct, rnd, workload_rng
 
 LONG, SHORT = (400, 700), (300, 32)
 REPLICAS, GATEWAYS = 3, 3
@@ -90,7 +89,7 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         start, length, end = self.phases(quick)
-        rng = random.Random(7)
+        rng = workload_rng(7)
         arrivals: list[Arrival] = []
         t = 0.1
         while t < end:

@@ -54,7 +54,8 @@ from typing import Any
 
 from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, drive, slo_ttft_s
 from bench.openloop import Arrival, Ctx
-from bench.scenarios.base import MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of
+from bench.scenarios.base import (MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of,
+                                  workload_rep, workload_rng)
 from extproc.sim.engine import Request, block_hashes
 from extproc.sim.tokenizer import chat_prompt
 
@@ -187,7 +188,7 @@ def _arrivals(quick: bool, rate: float) -> tuple[list[Arrival], list[tuple[int, 
     """The arrivals at `rate` single-turn requests per second and every request body in send order (sessions'
     turns at their nominal times)."""
     duration = plan(quick)["duration"]
-    rng = random.Random(16)
+    rng = workload_rng(16)
     arrivals: list[Arrival] = []
     timeline: list[tuple[float, int, dict[str, Any]]] = []
     t, n = 0.1, 0
@@ -225,9 +226,14 @@ def kv_blocks() -> int:
     return blocks_for_tokens(_BASE, round(KV_SHARE * working_set_tokens()))
 
 
-@functools.lru_cache(maxsize=8)
 def best_hit_rate(quick: bool, replicas: int = REPLICAS) -> float:
-    """The best achievable hit rate of the mode's workload on `replicas` replicas (`best_achievable`)."""
+    """The best achievable hit rate of the mode's workload (the current repetition's, `workload_rep`) on
+    `replicas` replicas (`best_achievable`)."""
+    return _best_hit_rate(quick, replicas, workload_rep())
+
+
+@functools.lru_cache(maxsize=16)
+def _best_hit_rate(quick: bool, replicas: int, rep: int) -> float:
     _arr, bodies = _arrivals(quick, single_rate(quick, replicas))
     return best_achievable(bodies)[0]
 

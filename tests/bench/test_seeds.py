@@ -1,0 +1,84 @@
+"""`sluice bench run --seeds N`: each system runs N times on other workloads of the same shape; metrics are the
+medians with their [min, max]."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.openloop import Record
+from bench.runner import combine_reps, main, run_scenarios
+from bench.scenarios import get_scenarios
+from bench.scenarios.base import RunData, set_workload_rep, workload_rep, workload_rng
+
+from .test_harness_units import _Fake
+
+
+def test_combine_reps_takes_medians_and_spreads_of_numbers_only():
+    reps = [{"slo_goodput_rps": 3.0, "x": None, "cls": {"a": 1}, "flag": "a"},
+            {"slo_goodput_rps": 5.5, "x": 2.0, "cls": {"a": 2}, "flag": "b"},
+            {"slo_goodput_rps": 3.4, "x": 4.0, "cls": {"a": 3}, "flag": "c"}]
+    out = combine_reps(reps)
+    assert out["slo_goodput_rps"] == 3.4 and out["spread"]["slo_goodput_rps"] == [3.0, 5.5]
+    assert out["x"] == 3.0 and out["spread"]["x"] == [2.0, 4.0]           # the repetitions that produced it
+    assert out["cls"] == {"a": 3} and out["flag"] == "c"                    # the last repetition's
+    assert out["reps"] == 3 and [m["slo_goodput_rps"] for m in out["per_rep"]] == [3.0, 5.5, 3.4]
+    assert combine_reps(reps[:1]) is reps[0]                                # one run: unchanged
+
+
+def test_repetition_zero_is_the_published_workload_and_others_differ():
+    assert workload_rep() == 0 and workload_rng(16).random() == random.Random(16).random()
+    sc = get_scenarios(["P9"])[0]
+    base = [a.at for a in sc.workload(True).arrivals]
+    try:
+        set_workload_rep(1)
+        other = [a.at for a in sc.workload(True).arrivals]
+    finally:
+        set_workload_rep(0)
+    assert other != base and 0.7 < len(other) / len(base) < 1.3           # same shape and rate, other draws
+    assert [a.at for a in sc.workload(True).arrivals] == base
+
+
+def test_px_best_hit_rate_follows_the_repetitions_workload():
+    from bench.scenarios import px_prefix as px
+
+    r0 = px.best_hit_rate(True)
+    try:
+        set_workload_rep(1)
+        r1 = px.best_hit_rate(True)
+    finally:
+        set_workload_rep(0)
+    assert r0 != r1 and abs(r0 - r1) < 0.1 and px.best_hit_rate(True) == r0
+
+
+def test_seeds_run_each_system_n_times_with_its_own_seed_and_workload(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    import bench.runner as runner
+
+    seen: list[tuple[str, int, int]] = []
+
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
+        seen.append((system, seed, workload_rep()))
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        ok = 1 + workload_rep()  # repetition k: k + 1 calls within the SLO
+        run.records = [Record(user=i, attempt=0, sdk_attempt=0, kind="short", start=0.0, first_token=0.1, end=0.2,
+                              status=200, done=True) for i in range(ok)]
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    out = run_scenarios([_Fake()], ["sluice"], quick=True, seed=5, results_dir=tmp_path, plots=False, seeds=3)
+    assert seen == [("sluice", 5, 0), ("sluice", 6, 1), ("sluice", 7, 2)] and workload_rep() == 0
+    m = out["P3"]["sluice"]
+    assert m["slo_goodput_rps"] == 2.0 and m["spread"]["slo_goodput_rps"] == [1.0, 3.0] and m["reps"] == 3
+    assert out["_meta"]["seeds"] == 3 and out["_meta"]["runs"]["P3"]["sluice"]["reps_ok"] == 3
+    assert "| `slo_goodput_rps` (req/s) | 2 [1-3] |" in (tmp_path / "P3.md").read_text()
+    assert "seeds=3" in report.header(out["_meta"])
+
+
+def test_the_cli_takes_seeds(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "--seeds" in capsys.readouterr().out
