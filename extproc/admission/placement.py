@@ -214,15 +214,15 @@ class Placer:
         footprint per request, this sidecar's and the others'). What is still to be decoded is `kv_committed`'s."""
         if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        return self._since_scrape(r, now, r.placed_since_scrape_tokens, r.inflight_tokens)
+        return self._since_scrape(r, now, r.placed_since_scrape_tokens, r.inflight_tokens,
+                                  r.shared_tokens - r.shared_at_scrape)
 
-    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float) -> float:
+    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float, others_since: float) -> float:
         """The engine's scraped KV usage plus, since that scrape: `placed` tokens this sidecar placed, the others'
-        footprints placed, its waiting requests at `inflight` / this sidecar's requests in flight each, and what
-        its running requests decoded."""
+        `others_since` (footprints or prompts, as `placed`), its waiting requests at `inflight` / this sidecar's
+        requests in flight each, and what its running requests decoded."""
         e = r.engine
         held = e.kv_usage * r.kv_capacity_tokens + placed
-        others_since = r.shared_tokens - r.shared_at_scrape
         if others_since > 0:
             held += others_since
         if e.waiting and r.inflight_requests:
@@ -243,7 +243,8 @@ class Placer:
 
             scraped usage x capacity                   what the engine reported it holds
           + prompts placed since that scrape           (their outputs are in the growth below)
-          + the other sidecars' footprints placed since the scrape  (shared through Redis)
+          + the other sidecars' prompts placed since the scrape  (shared through Redis; their outputs are in
+                                                       the others' growth below, counted once)
           + engine waiting x mean prompt here          queued in the engine, not yet in its KV
           + running x (now - scraped at) / decode s    what its running requests decoded since
           + own growth within the horizon              sum over this sidecar's requests here of the output they
@@ -260,7 +261,8 @@ class Placer:
         finished stream holds nothing, P13). Without engine numbers: the reservations in flight, as `kv_held`."""
         if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens)
+        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
+                                  r.shared_prompt_tokens - r.shared_prompt_at_scrape)
         own = self.growth.get(r)
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth

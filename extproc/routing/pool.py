@@ -114,6 +114,8 @@ class Replica:
     shared_tokens: int = 0
     shared_requests: int = 0
     shared_at_scrape: int = 0           # others' in-flight tokens when this replica was last scraped
+    shared_prompt_tokens: int = 0       # the prompts within shared_tokens (their footprints less expected output)
+    shared_prompt_at_scrape: int = 0    # ... when this replica was last scraped
     shared_growth: float = 0.0          # output the others' requests here are still expected to decode
                                         # (admission/kv_growth.py), as of the latest shared view
     state_since: float = field(default_factory=time.monotonic)
@@ -234,6 +236,7 @@ class Replica:
         self.placed_last_epoch_requests = max(self.placed_in_epoch_requests, self.placed_last_epoch_requests // 2)
         self.placed_in_epoch_requests = 0
         self.shared_at_scrape = self.shared_tokens
+        self.shared_prompt_at_scrape = self.shared_prompt_tokens
         if engine.kv_capacity_tokens:
             self.kv_capacity_tokens = engine.kv_capacity_tokens
         if engine.kv_block_tokens:
@@ -246,9 +249,11 @@ class Replica:
         """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
         return not self.draining and self.state != EJECTED and self.weight > 0
 
-    def note_shared(self, tokens: int, requests: int, growth: float = 0.0) -> None:
-        """The other sidecars' requests in flight here, as of the latest shared view."""
+    def note_shared(self, tokens: int, requests: int, growth: float = 0.0, output: int = 0) -> None:
+        """The other sidecars' requests in flight here, as of the latest shared view: `tokens` their footprints,
+        `output` the expected output within them (a report without it: 0, all of `tokens` counts as prompt)."""
         self.shared_tokens = tokens
+        self.shared_prompt_tokens = tokens - output
         self.shared_requests = requests
         self.shared_growth = growth
 

@@ -7,9 +7,10 @@ to the other gateways' placements, so under a burst N gateways pile onto the sam
 
 Protocol (one Redis round trip per `interval_s`, never per request; off the hot path in a background task):
   one hash per deployment, `<key_prefix>load`: field = sidecar id, value = `<redis time ms>|<json>` with
-  json = {pool: {replica: [tokens, requests, growth]}} of that sidecar's requests in flight (non-zero entries
-  only; growth = the output they are still expected to decode, admission/kv_growth.py; a report without it
-  counts 0).
+  json = {pool: {replica: [tokens, requests, growth, output]}} of that sidecar's requests in flight (non-zero
+  entries only; tokens = their footprints, prompt + expected output; growth = the output they are still expected
+  to decode, admission/kv_growth.py; output = the expected output within tokens, so tokens - output are their
+  prompts; a report without growth or output counts 0 for it).
   A Lua script writes this sidecar's field (stamped with Redis' own clock: no skew between gateways), refreshes
   the key's TTL, and returns every other field younger than `stale_after_s`; fields older than 10 x that are
   deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
@@ -19,7 +20,9 @@ What placement adds (`Load` per replica, from `others()`; the Fleet copies it on
 admission/placement.py `Placer.kv_committed` and `_over_concurrency` read it):
   never scraped    own in-flight tokens + others' in-flight tokens (the reservations)
   between scrapes  others' in-flight growth since this sidecar last scraped the replica, on top of the engine's
-                   numbers: since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet)
+                   numbers: since = max(0, others_now - others_at_scrape)  (what the scrape cannot have seen yet);
+                   in full footprints for `kv_held`, in prompts (tokens - output) for `kv_committed`, whose growth
+                   term counts their outputs
   concurrency      with an explicit or unknown cap: own in-flight requests + others' in-flight requests
   growth           the others' requests' expected output still to decode, next to this sidecar's own: the KV
                    they will hold before they end, which no scrape shows yet (placement `kv_committed`)
@@ -46,8 +49,9 @@ from extproc.routing.policy import SharedLoadPolicy
 
 log = logging.getLogger("sluice.routing.shared_load")
 
-LocalView = Callable[[], Mapping[str, Mapping[str, tuple[int, int, int]]]]
-"""This sidecar's requests in flight: pool -> replica address -> (tokens, requests, output still to decode)."""
+LocalView = Callable[[], Mapping[str, Mapping[str, tuple[int, ...]]]]
+"""This sidecar's requests in flight: pool -> replica address -> (tokens, requests, output still to decode,
+expected output within tokens)."""
 
 View = dict[str, dict[str, "Load"]]
 
@@ -77,12 +81,13 @@ return out
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """Requests in flight on one replica, their reserved tokens (prompt + expected output) and the output they
-    are still expected to decode."""
+    """Requests in flight on one replica, their reserved tokens (prompt + expected output), the output they
+    are still expected to decode, and their expected output (`tokens - output`: their prompts)."""
 
     tokens: int = 0
     requests: int = 0
     growth: int = 0
+    output: int = 0
 
 
 ZERO = Load()
@@ -101,7 +106,7 @@ def redis_client(url: str, timeout_s: float = 0.05) -> Any:
     return aioredis.Redis(connection_pool=pool)
 
 
-def _encode(local: Mapping[str, Mapping[str, tuple[int, int, int]]]) -> bytes:
+def _encode(local: Mapping[str, Mapping[str, tuple[int, ...]]]) -> bytes:
     return orjson.dumps({pool: {addr: list(load) for addr, load in replicas.items() if load[0] or load[1]}
                          for pool, replicas in local.items()})
 
@@ -114,15 +119,16 @@ def _merge(reports: list[bytes]) -> View:
             report = orjson.loads(raw)
             for pool, replicas in report.items():
                 for addr, load in replicas.items():
-                    acc = tokens.setdefault((pool, addr), [0, 0, 0])
+                    acc = tokens.setdefault((pool, addr), [0, 0, 0, 0])
                     acc[0] += int(load[0])
                     acc[1] += int(load[1])
                     acc[2] += int(load[2]) if len(load) > 2 else 0
+                    acc[3] += int(load[3]) if len(load) > 3 else 0
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, IndexError, KeyError):
             log.debug("skipped a malformed shared-load report")
     view: View = {}
-    for (pool, addr), (t, r, g) in tokens.items():
-        view.setdefault(pool, {})[addr] = Load(t, r, g)
+    for (pool, addr), (t, r, g, o) in tokens.items():
+        view.setdefault(pool, {})[addr] = Load(t, r, g, o)
     return view
 
 

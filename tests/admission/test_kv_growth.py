@@ -73,7 +73,8 @@ def share(placers: list[Placer], now: float) -> None:
         for i, r in enumerate(me.pool.replicas):
             others = [(p.pool.replicas[i], p) for p in placers if p is not me]
             r.note_shared(sum(o.inflight_tokens for o, _ in others), sum(o.inflight_requests for o, _ in others),
-                          sum(p.own_growth(o, now) for o, p in others))
+                          sum(p.own_growth(o, now) for o, p in others),
+                          sum(o.inflight_tokens - o.inflight_prompt_tokens for o, _ in others))
 
 
 def burst(placers: list[Placer], n: int, shared: bool) -> list[int]:
@@ -138,3 +139,18 @@ def test_the_others_growth_counts_within_the_new_requests_lifetime():
     assert p.why_not(r, req(out=20), 0, 1.0, 5.0) is None    # within 0.2 s they decode at most 8 x 20 tokens
     r.note_shared(0, 0)                                      # Redis lost: own view only
     assert p.why_not(r, req(), 0, 1.0, 5.0) is None
+
+
+def test_a_long_generation_another_gateway_placed_since_the_scrape_counts_its_footprint_once():
+    """PG: between scrapes, the other sidecar's request counts its prompt (not yet in the scraped KV) plus its
+    output in the growth term, 400 + 700 tokens like one's own; counting its whole footprint beside its growth
+    made each of the others' placements since the scrape 1,800 tokens, and the replica looked fuller by 700 per
+    request (a burst of the other gateways' placements queued and shed this gateway's requests)."""
+    a, b = long_pool(2, replicas=1)
+    ra, rb = a.pool.replicas[0], b.pool.replicas[0]
+    b.commit(rb, req(), 0, 1.0)
+    share([a, b], 1.0)
+    a.commit(ra, req(), 0, 1.0)
+    share([a, b], 1.0)
+    assert a.kv_committed(ra, 1.0) == pytest.approx(b.kv_committed(rb, 1.0)) == pytest.approx(2 * 1100)
+    assert a.kv_held(ra, 1.0) == pytest.approx(2 * 1100)  # held: both footprints in full, as reserved

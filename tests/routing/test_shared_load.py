@@ -226,3 +226,17 @@ async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_i
     finally:
         for v in views:
             await v.stop()
+
+
+def test_reports_carry_the_expected_output_so_the_others_prompts_are_known():
+    """The fleet publishes (tokens, requests, growth, output); the receiving replica counts tokens - output as
+    the others' prompts (kv_committed adds those since the scrape, their outputs being in the growth)."""
+    fleet_view = {"m": {"r1": (1100, 1, 690, 700)}}
+    view = _merge([_encode(fleet_view), b'{"m": {"r1": [300, 1, 0]}}'])
+    assert view == {"m": {"r1": Load(1400, 2, 690, 700)}}
+    r = Replica(address="r1", pool="m")
+    load = view["m"]["r1"]
+    r.note_shared(load.tokens, load.requests, load.growth, load.output)
+    assert (r.shared_tokens, r.shared_prompt_tokens) == (1400, 700)  # 400 + the older report's 300 in full
+    r.on_scrape(EngineState(scraped_at=1.0))
+    assert r.shared_prompt_at_scrape == 700
