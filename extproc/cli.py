@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import os
 import signal
@@ -145,7 +146,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     model = policy.default_pool.model
     print(_banner(stack, model, policy_path), flush=True)
     def report(line: str) -> None:
-        print(f"sluice up: {line}", file=sys.stderr, flush=True)
+        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        print(f"sluice up: {stamp} {line}", file=sys.stderr, flush=True)
 
     restarter = Restarter(RestartPolicy(), stack.child_env(), report)
     sc = policy.sidecar

@@ -101,6 +101,18 @@ def grpc_port_free(host: str, port: int) -> bool:
     return True
 
 
+async def _start_site(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
+    """The /metrics and /ready listener; a failed start leaves nothing registered in the runner (so it can be tried
+    again)."""
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await site.stop()
+        raise
+    return site
+
+
 async def _bind_when_free(what: str, start: Callable[[], Awaitable[T]], patience_s: float) -> T:
     """`start()` until it stops raising OSError (the port is taken), for at most `patience_s` (0: once)."""
     loop = asyncio.get_running_loop()
@@ -140,6 +152,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     ])
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health: EppHealth | None = None
+    access_log: AccessLogReceiver | None = None
     if policy.epp.enabled:  # the gateway sends the picker no access log; it probes gRPC health instead
         health = EppHealth()
         health.add_to(server)
@@ -150,7 +163,6 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     state = {"ready": False}
     runner = web.AppRunner(make_http_app(gateway, state), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, sc.metrics_host, sc.metrics_port + worker)
     await gateway.budgets.start()
     xds = xds_out if worker == 0 and not policy.epp.enabled else None
     # Replicas by name: resolved before the first scrape, so the starting set is known (and in EDS) when ready.
@@ -176,7 +188,8 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     if take_over is not None:
         take_over.write_text(f"{os.getpid()}\n")  # serving ext_proc: the supervisor may now send SIGUSR2 to the old
         patience = TAKE_OVER_PORTS_S
-    await _bind_when_free(f"metrics on {sc.metrics_host}:{sc.metrics_port + worker}", site.start, patience)
+    await _bind_when_free(f"metrics on {sc.metrics_host}:{sc.metrics_port + worker}",
+                          lambda: _start_site(runner, sc.metrics_host, sc.metrics_port + worker), patience)
     route_timeout = policy.gateway.request_timeout_s
     background = [asyncio.create_task(_sweep_detached(
         gateway, (route_timeout if route_timeout > 0 else NO_ROUTE_TIMEOUT_MAX_AGE_S) + 30.0))]
@@ -220,7 +233,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     state["ready"] = False
     m.READY.set(0)
     if handing_over.is_set():
-        await _hand_over(server, gateway, grace_s)
+        await _hand_over(server, gateway, access_log, grace_s)
     else:
         await _drain(gateway, health, grace_s)
     for task in background:
@@ -249,18 +262,33 @@ async def _drain(gateway: Gateway, health: EppHealth | None, grace_s: float) -> 
         await asyncio.sleep(0.05)
 
 
-async def _hand_over(server: grpc.aio.Server, gateway: Gateway, grace_s: float) -> None:
+def _queued(gateway: Gateway) -> int:
+    """Requests waiting in this worker's admission queues."""
+    return sum(len(q) for s in getattr(gateway, "schedulers", {}).values() for q in s.queues)
+
+
+async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: AccessLogReceiver | None,
+                     grace_s: float) -> None:
     """SIGUSR2, a replacement already serving on the same port: close this worker's listener and send Envoy a
-    GOAWAY (grpc's server shutdown), so Envoy opens its next connection, which only the replacement's socket can
-    accept, and sends its new ext_proc streams there; keep answering the streams this worker holds (queued
-    requests are still dispatched: not `draining`, since a stream Envoy opened here before the GOAWAY is answered
-    as usual) until none is left or grace_s passed; then cancel what remains, Envoy's access-log stream above all,
-    so Envoy reconnects it to the replacement. Requests this worker detached run on without it (Envoy streams
-    them); their access-log ends reach the replacement, which does not know them."""
+    GOAWAY (grpc's server shutdown), so that Envoy opens its next connection, which only the replacement's socket
+    can accept, and sends its new ext_proc streams there. This worker is not `draining`: a stream Envoy opened here
+    before it read the GOAWAY is answered as usual.
+
+    Envoy's access-log stream stays on the old connection until this worker ends it; the ends it carries release
+    requests (slots, open-request counts) in whichever worker detached them. While requests wait in this worker's
+    queue it keeps the stream (its releases dispatch them); once none waits it cancels it, and Envoy reconnects it to
+    the replacement, whose own requests' ends would otherwise stay here. Then it answers the ext_proc streams it
+    still holds (streams kept open to their end, P13) until none is left or grace_s passed, and cancels what
+    remains. Requests it detached run on without it (Envoy streams them); their ends reach the replacement, which
+    does not know them (ignored)."""
     stopping = asyncio.ensure_future(server.stop(grace_s))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     await asyncio.sleep(0)
+    while loop.time() < deadline and _queued(gateway) > 0:
+        await asyncio.sleep(0.02)
+    if access_log is not None:
+        access_log.close_streams()
     while loop.time() < deadline and gateway.open_streams > 0:
         await asyncio.sleep(0.02)
     await server.stop(0)
