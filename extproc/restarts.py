@@ -219,9 +219,11 @@ class Recycler:
         n = self.failures[name] = self.failures.get(name, 0) + 1
         wait = min(self.policy.max_backoff_s, self.policy.check_s * 2 ** n)
         self.next_check[name] = now + wait
-        self.report(f"{name}: its replacement did not serve within {self.policy.ready_timeout_s:g} s (exit code "
-                    f"{h.new.proc.returncode if h.new.proc else None}); the worker stays, next try in {wait:g} s; "
-                    f"log {h.new.log_path}:\n{h.new.log_tail()}")
+        code = h.new.proc.returncode if h.new.proc else None
+        why = (f"exited (code {code})" if code is not None and now - h.started < self.policy.ready_timeout_s
+               else f"did not serve within {self.policy.ready_timeout_s:g} s")
+        self.report(f"{name}: its replacement {why}; the worker stays, next try in {wait:g} s; log "
+                    f"{h.new.log_path}:\n{h.new.log_tail()}")
 
     def _reap(self, now: float) -> None:
         """Workers that handed over exit after their streams end; one still alive past leave_timeout_s is killed."""

@@ -60,6 +60,7 @@ DETACHED_SWEEP_S = 10.0
 # metrics and admin ports (that one drains for at most its grace period, then exits).
 TAKE_OVER_PORTS_S = 30.0
 TAKE_OVER_RETRY_S = 0.1
+HAND_OVER_SETTLE_S = 1.0  # a worker handing over waits this long after its GOAWAY before it counts its streams
 NO_ROUTE_TIMEOUT_MAX_AGE_S = 3600.0  # no route timeout (streams may be long): a lost end is released after this
 
 
@@ -284,12 +285,15 @@ async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: Acce
     stopping = asyncio.ensure_future(server.stop(grace_s))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
-    await asyncio.sleep(0)
+    # grpc's GOAWAY is graceful: streams Envoy opens before it has read it are still served here, so "no stream
+    # open" means something only once Envoy has had time to read it
+    await asyncio.sleep(HAND_OVER_SETTLE_S)
     while loop.time() < deadline and _queued(gateway) > 0:
         await asyncio.sleep(0.02)
     if access_log is not None:
         access_log.close_streams()
     while loop.time() < deadline and gateway.open_streams > 0:
         await asyncio.sleep(0.02)
+    await asyncio.wait([stopping], timeout=max(0.0, deadline - loop.time()))  # every RPC ended, or the grace
     await server.stop(0)
     await stopping

@@ -140,12 +140,9 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         [new] = _sidecars(proc.pid)
         new_mb = read_rss_mb(new)
         # every attempt of the steady client succeeded, before, during and after the handover
-        if not all(o == "200" for o in outcomes):
-            print("DIAG", [o for o in outcomes if o != "200"], metric_sum(stack.metrics_url, "sluice_shed_total"),
-                  log.read_text()[-1500:])
         assert outcomes and all(o == "200" for o in outcomes), (
             collections.Counter(o[:40] for o in outcomes), [o for o in outcomes if o != "200"],
-            metric_sum(stack.metrics_url, "sluice_shed_total"), log.read_text()[-2500:])
+            [ln for ln in log.read_text().splitlines() if ln.startswith("sluice up:")])
         # streams in flight at the handover (already detached by the old worker) complete
         assert all(r[0] == 200 and r[1] >= 400 and r[2] is None for r in done), done
         assert new != old and _gone(old)
