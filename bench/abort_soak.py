@@ -262,7 +262,8 @@ def run(rounds: int, per_round: int, batch: int, run_dir: Path, tracemalloc: boo
             r = {"round": i, **one_round(t, per_round, batch)}
             out.append(r)
             log(f"round {i}: {per_round} HTTP/1 aborts + {per_round} HTTP/2 cancels in {r['seconds']} s; sidecar "
-                f"pid {r['sidecar_pid']} RSS {r['sidecar_rss_mb']} MB; state {r['gateway_state']}; tasks {r['asyncio_tasks']}, "
+                f"pid {r['sidecar_pid']} RSS {r['sidecar_rss_mb']} MB; state {r['gateway_state']}; "
+                f"tasks {r['asyncio_tasks']}, "
                 f"gc objects {r['gc_objects']}" + (f", traced {r['tracemalloc_bytes'] / 2**20:.2f} MB"
                                                    if "tracemalloc_bytes" in r else ""))
         return out

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -52,8 +53,9 @@ def _sidecars(up_pid: int) -> list[int]:
     return [p for p, role in _children(up_pid).items() if role == "sidecar" and not _gone(p)]
 
 
-def _hold_and_abandon(host: str, port: int, n: int, metrics_url: str) -> None:
-    """`n` HTTP/1 requests that send their headers, are held by the sidecar (at most 10 s), then abandoned."""
+def _hold_until(host: str, port: int, n: int, metrics_url: str, until: Callable[[], bool], timeout_s: float) -> bool:
+    """`n` HTTP/1 requests that send their headers and are held by the sidecar until `until()` (at most
+    `timeout_s`), then abandoned; returns `until()`."""
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
             f"content-length: 96\r\n\r\n").encode()
     socks = []
@@ -63,6 +65,7 @@ def _hold_and_abandon(host: str, port: int, n: int, metrics_url: str) -> None:
             s.sendall(head)
             socks.append(s)
         wait_for(lambda: metric_sum(metrics_url, "sluice_open_streams") >= n, 10)
+        return wait_for(until, timeout_s)
     finally:
         for s in socks:
             s.close()
@@ -118,19 +121,21 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         assert rest_mb is not None and rest_mb < LIMIT_MB, (rest_mb, LIMIT_MB)
         in_flight = streams(stack.base_url, 4, 400)
         assert wait_for(lambda: sum(sim_metric(a, "vllm:num_requests_running") for a in replicas) >= 4, 10)
-        steady: SteadyClient | None = None
         batches = 0
-        while "recycled at RSS" not in log.read_text() and batches < len(HELD):
-            _hold_and_abandon(gw.host, gw.port, HELD[batches], stack.metrics_url)
+        starting = False
+        while not starting and batches < len(HELD):
+            starting = _hold_until(gw.host, gw.port, HELD[batches], stack.metrics_url,
+                                   lambda: "starting its replacement" in log.read_text(), 2 * CHECK_S + 1)
             batches += 1
-            # the steady client starts once the abandoned streams are gone (their teardown is not what is tested)
-            # and before the old worker hands over (its replacement takes over a second or more after the check)
-            assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_open_streams") <= 4, 10)
-            if steady is None:
-                assert "recycled at RSS" not in log.read_text(), "handed over before the steady client started"
-                steady = SteadyClient(stack.base_url)
-            wait_for(lambda: "recycled at RSS" in log.read_text(), 2 * CHECK_S + 1)
-        assert steady is not None
+        assert starting, (batches, read_rss_mb(old), log.read_text()[-3000:])
+        # The steady client starts once the abandoned requests are gone (what thousands of clients leaving at once
+        # cost is not what this test is about) and before the old worker hands over: its replacement takes a
+        # second or more to start.
+        assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_open_streams") <= 4, 10)
+        steady = SteadyClient(stack.base_url)
+        assert "recycled at RSS" not in log.read_text(), "handed over before the steady client started"
+        assert wait_for(lambda: "recycled at RSS" in log.read_text(), 60), log.read_text()[-3000:]
+        running_at_handover = sum(sim_metric(a, "vllm:num_requests_running") for a in replicas)
         text = log.read_text()
         assert "recycled at RSS" in text, (batches, read_rss_mb(old), text[-3000:])
         assert wait_for(lambda: "after handing over" in log.read_text(), 15), log.read_text()[-3000:]
@@ -144,7 +149,8 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
             collections.Counter(o[:40] for o in outcomes), [o for o in outcomes if o != "200"],
             [ln for ln in log.read_text().splitlines() if ln.startswith("sluice up:")])
         # streams in flight at the handover (already detached by the old worker) complete
-        assert all(r[0] == 200 and r[1] >= 400 and r[2] is None for r in done), done
+        assert running_at_handover >= 4 and all(r[0] == 200 and r[1] >= 400 and r[2] is None for r in done), \
+            (running_at_handover, done)
         assert new != old and _gone(old)
         # the supervisor's check does not fire again: the replacement is under the limit for several checks
         time.sleep(4 * CHECK_S)
@@ -158,8 +164,10 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         assert not any(accounting(stack).values()) or wait_for(lambda: not any(accounting(stack).values()), 5), \
             accounting(stack)
         print(f"\nrecycle: {len(outcomes)} steady requests all 200; held aborts {HELD[:batches]}; "
-              f"pid {old} ({rest_mb:.1f} MB at rest) -> {new} ({new_mb:.1f} MB); streams {[r[:3] for r in done]}; "
-              f"{[ln for ln in text.splitlines() if 'recycle' in ln or 'handing over' in ln]}")
+              f"pid {old} ({rest_mb:.1f} MB at rest) -> {new} ({new_mb:.1f} MB); "
+              f"streams {[(r[0], r[1], round(r[3], 1)) for r in done]} "
+              f"({running_at_handover:g} running at the handover); "
+              f"{[ln for ln in text.splitlines() if ln.startswith('sluice up:')]}")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
