@@ -98,8 +98,9 @@ class RecyclePolicy:
 
 
 def should_recycle(rss_mb: float, first_mb: float, limit_mb: float) -> bool:
-    """Recycle when the limit is set and passed, unless the worker was already over it at its first read (then a
-    fresh worker would be too: replacing it would only loop).
+    """Recycle when the limit is set and passed, unless the worker was already over it when it was fresh (`first_mb`:
+    its RSS when it was first seen serving, before it took traffic; a replacement would be over it too, so
+    replacing it would only loop).
         rss_mb > limit_mb > 0 and first_mb <= limit_mb"""
     return limit_mb > 0 and rss_mb > limit_mb and first_mb <= limit_mb
 
@@ -154,7 +155,8 @@ class Recycler:
     rss_of: Callable[[int], float | None] = read_rss_mb
     recycles: int = 0
     next_check: dict[str, float] = field(default_factory=dict)   # child name -> when to read its RSS next
-    first_mb: dict[int, float] = field(default_factory=dict)     # pid -> its first RSS read
+    first_mb: dict[int, float] = field(default_factory=dict)     # pid -> its RSS when first seen serving
+    warned: set[int] = field(default_factory=set)                # pids reported as over the limit when fresh
     failures: dict[str, int] = field(default_factory=dict)       # child name -> failed replacements in a row
     starting: dict[str, Handover] = field(default_factory=dict)  # child name -> replacement not yet serving
     leaving: list[Handover] = field(default_factory=list)        # replaced workers not yet exited
@@ -169,10 +171,21 @@ class Recycler:
                 continue
             if child.name in self.starting:
                 self._advance(children, i, self.starting[child.name], now)
-            elif child.alive() and now >= self.next_check.setdefault(child.name, now + self.policy.check_s):
+                continue
+            if child.alive() and child.proc is not None and child.proc.pid not in self.first_mb:
+                self._note_fresh(child)
+            if child.alive() and now >= self.next_check.setdefault(child.name, now + self.policy.check_s):
                 self.next_check[child.name] = now + self.policy.check_s
                 self._check(child, now)
         self._reap(now)
+
+    def _note_fresh(self, child: Child) -> None:
+        """A worker's RSS when first seen serving (sluice up's first tick after start-up, or a replacement as it
+        takes over): what any fresh worker holds."""
+        assert child.proc is not None
+        rss = self.rss_of(child.proc.pid)
+        if rss is not None:
+            self.first_mb[child.proc.pid] = rss
 
     def _check(self, child: Child, now: float) -> None:
         assert child.proc is not None
@@ -180,12 +193,12 @@ class Recycler:
         rss = self.rss_of(pid)
         if rss is None:
             return
-        is_first = pid not in self.first_mb
         first = self.first_mb.setdefault(pid, rss)
         limit = self.policy.limit_mb
-        if is_first and first > limit:
-            self.report(f"{child.name} (pid {pid}) holds {rss:.1f} MB at its first check, over "
-                        f"sidecar.recycle_rss_mb {limit:g}: a fresh worker would be too, so it is not recycled")
+        if rss > limit and first > limit and pid not in self.warned:
+            self.warned.add(pid)
+            self.report(f"{child.name} (pid {pid}) held {first:.1f} MB when fresh, over sidecar.recycle_rss_mb "
+                        f"{limit:g}: a replacement would be too, so it is not recycled")
         if not should_recycle(rss, first, limit):
             return
         new, ready = replacement_of(child)
@@ -205,6 +218,7 @@ class Recycler:
                 h.old.proc.send_signal(signal.SIGUSR2)
             h.signalled = now
             children[i] = h.new
+            self._note_fresh(h.new)
             self.leaving.append(h)
             self.recycles += 1
             self.next_check[name] = now + self.policy.check_s
