@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
-
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -121,9 +120,11 @@ async def _bind_when_free(what: str, start: Callable[[], Awaitable[T]], patience
     while True:
         try:
             return await start()
-        except OSError:
+        except OSError as exc:
+            if patience_s <= 0:
+                raise
             if loop.time() >= deadline:
-                raise OSError(f"{what}: the port is still taken after {patience_s:g} s") from None
+                raise OSError(f"{what}: the port is still taken after {patience_s:g} s ({exc})") from None
             await asyncio.sleep(TAKE_OVER_RETRY_S)
 
 
