@@ -119,6 +119,7 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         [old] = _sidecars(proc.pid)
         rest_mb = read_rss_mb(old)
         assert rest_mb is not None and rest_mb < LIMIT_MB, (rest_mb, LIMIT_MB)
+        old_start = metric_sum(stack.metrics_url, "process_start_time_seconds")
         in_flight = streams(stack.base_url, 4, 400)
         assert wait_for(lambda: sum(sim_metric(a, "vllm:num_requests_running") for a in replicas) >= 4, 10)
         batches = 0
@@ -159,10 +160,11 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         assert new_mb is not None and new_mb < LIMIT_MB
         left = re.search(r"left ([0-9.]+) s after handing over \(exit code (-?\d+)\)", text)
         assert left and left.group(2) == "0", text[-3000:]
-        # the replacement serves: a new request through it, metrics and admin ports taken over
-        assert wait_for(lambda: metric_sum(stack.metrics_url, "process_start_time_seconds") > 0, 10)
-        assert not any(accounting(stack).values()) or wait_for(lambda: not any(accounting(stack).values()), 5), \
-            accounting(stack)
+        # the replacement took over the metrics and admin ports, and settles what it admitted
+        assert wait_for(lambda: metric_sum(stack.metrics_url, "process_start_time_seconds") > old_start > 0, 10)
+        with socket.create_connection(("127.0.0.1", stack.policy.sidecar.admin_port), timeout=2):
+            pass
+        assert wait_for(lambda: not any(accounting(stack).values()), 5), accounting(stack)
         print(f"\nrecycle: {len(outcomes)} steady requests all 200; held aborts {HELD[:batches]}; "
               f"pid {old} ({rest_mb:.1f} MB at rest) -> {new} ({new_mb:.1f} MB); "
               f"streams {[(r[0], r[1], round(r[3], 1)) for r in done]} "
