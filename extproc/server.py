@@ -278,21 +278,22 @@ async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: Acce
 
     Envoy's access-log stream stays on the old connection until this worker ends it; the ends it carries release
     requests (slots, open-request counts) in whichever worker detached them. While requests wait in this worker's
-    queue it keeps the stream (its releases dispatch them); once none waits it cancels it, and Envoy reconnects it to
-    the replacement, whose own requests' ends would otherwise stay here. Then it answers the ext_proc streams it
-    still holds (streams kept open to their end, P13) until none is left or grace_s passed, and cancels what
-    remains. Requests it detached run on without it (Envoy streams them); their ends reach the replacement, which
+    queue it keeps the stream (its releases dispatch them); once none waits (at once, usually) it ends it, and
+    Envoy reconnects it to the replacement, whose own requests' ends would otherwise come here and never release
+    them there. Then it answers the ext_proc streams it still holds (streams kept open to their end, P13) until
+    none is left (counted from HAND_OVER_SETTLE_S after the GOAWAY) or grace_s passed, and cancels what remains. Requests it detached run on without it (Envoy streams them); their ends reach the replacement, which
     does not know them (ignored)."""
     stopping = asyncio.ensure_future(server.stop(grace_s))
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
-    # grpc's GOAWAY is graceful: streams Envoy opens before it has read it are still served here, so "no stream
-    # open" means something only once Envoy has had time to read it
-    await asyncio.sleep(HAND_OVER_SETTLE_S)
+    start = loop.time()
+    deadline = start + grace_s
     while loop.time() < deadline and _queued(gateway) > 0:
         await asyncio.sleep(0.02)
     if access_log is not None:
         access_log.close_streams()
+    # grpc's GOAWAY is graceful: streams Envoy opens before it has read it are still served here, so "no stream
+    # open" means something only once Envoy has had time to read it
+    await asyncio.sleep(max(0.0, start + HAND_OVER_SETTLE_S - loop.time()))
     while loop.time() < deadline and gateway.open_streams > 0:
         await asyncio.sleep(0.02)
     await asyncio.wait([stopping], timeout=max(0.0, deadline - loop.time()))  # every RPC ended, or the grace
