@@ -29,12 +29,12 @@ from .conftest import accounting, join_all, metric_sum, sim_metric, streams, wai
 from .test_shutdown import _children, _gone
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
-# A worker holds about 90-110 MB at rest; holding 1,000 abandoned requests at once took one from 93 to 117 MB, and
+# A worker holds about 90-95 MB at rest here; holding 1,000 abandoned requests at once took one from 93 to 117 MB, and
 # holding the same number again added nothing (the allocator reuses what the first batch freed), so each batch holds
 # more requests than the last: the replacement starts under the limit, the old worker passes it.
-LIMIT_MB = 125
+LIMIT_MB = 110
 CHECK_S = 0.5
-HELD = (2000, 3000, 4000)
+HELD = (1000, 1500, 2000, 3000)
 
 
 def _policy(tmp: Path) -> Path:
@@ -69,6 +69,14 @@ def _hold_until(host: str, port: int, n: int, metrics_url: str, until: Callable[
     finally:
         for s in socks:
             s.close()
+
+
+def _open_streams(metrics_url: str) -> float:
+    """The serving worker's open ext_proc streams; infinite while its metrics port is between two workers."""
+    try:
+        return metric_sum(metrics_url, "sluice_open_streams")
+    except OSError:
+        return float("inf")
 
 
 class SteadyClient:
@@ -132,7 +140,7 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         # The steady client starts once the abandoned requests are gone (what thousands of clients leaving at once
         # cost is not what this test is about) and before the old worker hands over: its replacement takes a
         # second or more to start.
-        assert wait_for(lambda: metric_sum(stack.metrics_url, "sluice_open_streams") <= 4, 10)
+        assert wait_for(lambda: _open_streams(stack.metrics_url) <= 4 or "recycled at RSS" in log.read_text(), 10)
         steady = SteadyClient(stack.base_url)
         assert "recycled at RSS" not in log.read_text(), "handed over before the steady client started"
         assert wait_for(lambda: "recycled at RSS" in log.read_text(), 60), log.read_text()[-3000:]
