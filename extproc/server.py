@@ -296,6 +296,5 @@ async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: Acce
     await asyncio.sleep(max(0.0, start + HAND_OVER_SETTLE_S - loop.time()))
     while loop.time() < deadline and gateway.open_streams > 0:
         await asyncio.sleep(0.02)
-    await asyncio.wait([stopping], timeout=max(0.0, deadline - loop.time()))  # every RPC ended, or the grace
-    await server.stop(0)
+    await server.stop(0)  # nothing of this worker's is left (its access-log streams ended above)
     await stopping
