@@ -145,7 +145,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     model = policy.default_pool.model
     print(_banner(stack, model, policy_path), flush=True)
+
     def report(line: str) -> None:
+        """A supervision line on stderr, with the wall-clock time (to line it up with clients' and logs' times)."""
         stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
         print(f"sluice up: {stamp} {line}", file=sys.stderr, flush=True)
 
