@@ -228,7 +228,10 @@ def verdict(rounds: list[dict[str, Any]], warmup: int, max_mb_per_round: float,
                        for r in rounds)
     pids = [r["sidecar_pid"] for r in rounds]
     recycles = sum(1 for a, b in zip(pids, pids[1:]) if a != b)
-    same = [r for r in after if r["sidecar_pid"] == after[-1]["sidecar_pid"]]  # one process: objects comparable
+    # objects and tasks are compared within one process, after its own warm-up (a replacement's first rounds count
+    # tasks and objects a fresh worker creates on its first traffic)
+    same = [r for r in after if r["sidecar_pid"] == after[-1]["sidecar_pid"]]
+    same = same[min(warmup, max(0, len(same) - 2)):] if same[0] is not after[0] else same
     objects = same[-1]["gc_objects"] - same[0]["gc_objects"]
     tasks = same[-1]["asyncio_tasks"] - same[0]["asyncio_tasks"]
     bounded = (recycles >= 1 and max(rss) <= recycle_rss_mb + max_mb_over_limit if recycle_rss_mb > 0
