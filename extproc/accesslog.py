@@ -10,6 +10,8 @@ upstream byte) are handed to whoever listens (routing's health tracking). Entrie
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 from typing import AsyncIterator, Callable
 
@@ -60,6 +62,8 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.listeners: list[EntryListener] = []
         self.progress_listeners: list[ProgressListener] = []
         self.end_listeners: list[EndListener] = []
+        self.streams: set[asyncio.Task[object]] = set()  # the StreamAccessLogs calls running (Envoy's streams)
+        self.closing = False  # set by close_streams: a stream opened later is ended at once too
 
     def _count(self, pool: str, outcome: str) -> None:
         child = self._counters.get((pool, outcome))
@@ -88,10 +92,31 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
                                context: grpc.aio.ServicerContext) -> als_pb2.StreamAccessLogsResponse:
-        async for msg in request_iterator:
-            for entry in msg.http_logs.log_entry:
-                try:
-                    self.handle(entry)
-                except Exception:  # a bad entry must never kill the log stream
-                    log.exception("access log entry could not be handled")
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this sidecar worker is handing over")
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)
+        try:
+            async for msg in request_iterator:
+                for entry in msg.http_logs.log_entry:
+                    try:
+                        self.handle(entry)
+                    except Exception:  # a bad entry must never kill the log stream
+                        log.exception("access log entry could not be handled")
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            # ended by close_streams: a cancelled handler sends no status, so end the RPC with one
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this sidecar worker is handing over")
+        finally:
+            self.streams.discard(task)  # type: ignore[arg-type]
         return als_pb2.StreamAccessLogsResponse()
+
+    def close_streams(self) -> int:
+        """End Envoy's open access-log streams with UNAVAILABLE (a worker handing over: Envoy reconnects them to
+        its replacement); returns how many."""
+        self.closing = True
+        for task in list(self.streams):
+            task.cancel()
+        return len(self.streams)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import logging
 import os
 import signal
@@ -55,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     policy = _load(args.config)
     try:
-        _run_async(serve(policy, worker=args.worker, xds_out=args.xds_out))
+        _run_async(serve(policy, worker=args.worker, xds_out=args.xds_out,
+                         take_over=Path(args.take_over) if args.take_over else None))
     except OSError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +118,7 @@ def default_run_dir(policy: Policy) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from extproc.restarts import Restarter, RestartPolicy
+    from extproc.restarts import RecyclePolicy, Recycler, Restarter, RestartPolicy
     from extproc.supervisor import Stack, StartupError
 
     policy_path = Path(args.config) if args.config else default_policy_path()
@@ -143,10 +145,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     model = policy.default_pool.model
     print(_banner(stack, model, policy_path), flush=True)
-    restarter = Restarter(RestartPolicy(), stack.child_env(),
-                          lambda line: print(f"sluice up: {line}", file=sys.stderr, flush=True))
+
+    def report(line: str) -> None:
+        """A supervision line on stderr, with the wall-clock time (to line it up with clients' and logs' times)."""
+        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        print(f"sluice up: {stamp} {line}", file=sys.stderr, flush=True)
+
+    restarter = Restarter(RestartPolicy(), stack.child_env(), report)
+    sc = policy.sidecar
+    recycler = Recycler(RecyclePolicy(limit_mb=sc.recycle_rss_mb, check_s=sc.recycle_check_s), stack.child_env(),
+                        report)
     try:
         while not stopping["flag"]:
+            if args.mode == "sluice":
+                recycler.tend(stack.children)
             for child in stack.children:
                 if child.alive() or (child.name.startswith("sidecar") and restarter.tend(child)):
                     continue
@@ -156,6 +168,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     finally:
         print("stopping: envoy, sidecar, replicas ...", flush=True)
+        recycler.stop()
         stack.stop()
     print("stopped.")
     return 0
@@ -242,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xds-out", default=None,
                    help="on a policy reload, also re-render Envoy's xDS files into this directory (the one Envoy "
                         "watches); `sluice up` passes its own")
+    p.add_argument("--take-over", default=None, metavar="READY_FILE",
+                   help="replace a running worker on the same ports (what `sluice up` does to recycle one): share "
+                        "its gRPC port (SO_REUSEPORT), write READY_FILE once serving, then take its metrics and "
+                        "admin ports once it frees them (it is sent SIGUSR2)")
     p.set_defaults(func=cmd_serve)
     p = with_config(sub.add_parser("render", help="write Envoy bootstrap + xDS files"))
     p.add_argument("--out", default="envoy", help="output directory (default envoy/)")

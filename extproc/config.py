@@ -137,6 +137,13 @@ class SidecarConfig:
     max_open_requests: int = 0         # per process, queued + forwarded; beyond it a clean 429 (P12). 0 = derived:
                                        # 90% of gateway.max_downstream_connections / workers, so the sidecar
                                        # refuses with an HTTP error before Envoy must drop connections at accept
+    recycle_rss_mb: int = 512          # `sluice up` replaces a worker whose RSS passed this many MB, with no
+                                       # request lost (a replacement shares the gRPC port, then the old worker
+                                       # hands over and exits): grpc.aio leaks ~150 bytes per ext_proc stream Envoy
+                                       # cancels (grpc/grpc#43360), so abandoned requests grow a worker without
+                                       # bound. A worker holds ~100 MB at rest. 0 = never. `sluice serve` alone:
+                                       # use the process manager's memory limit (docs/operations.md)
+    recycle_check_s: float = 10.0      # seconds between two RSS reads of a worker by `sluice up`
 
     def __post_init__(self) -> None:
         if self.workers == 0:
@@ -157,6 +164,8 @@ class SidecarConfig:
         for name in ("grpc_port", "metrics_port", "admin_port"):
             _check_port(getattr(self, name), f"{path}.{name}")
         require(self.message_timeout_ms >= 50, f"{path}.message_timeout_ms", "must be at least 50")
+        require(self.recycle_rss_mb >= 0, f"{path}.recycle_rss_mb", "must be >= 0 (0 = never recycle)")
+        require(self.recycle_check_s >= 0.1, f"{path}.recycle_check_s", "must be at least 0.1")
         require(self.max_queue_wait_ms >= self.message_timeout_ms, f"{path}.max_queue_wait_ms",
                 f"must be >= {path}.message_timeout_ms")
 

@@ -86,7 +86,8 @@ from envoy_data_plane.envoy.config.accesslog.v3 import (
 )
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutationRules
-from envoy_data_plane.envoy.config.core.v3 import RuntimeUInt32, SubstitutionFormatString
+from envoy_data_plane.envoy.config.core.v3 import BackoffStrategy, RuntimeUInt32, SubstitutionFormatString
+from envoy_data_plane.envoy.config.core.v3 import RetryPolicy as GrpcRetryPolicy
 from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
     CommonGrpcAccessLogConfig,
     HttpGrpcAccessLogConfig,
@@ -294,11 +295,23 @@ def _strip_gateway_headers() -> TypedExtensionConfig:
     return _typed("envoy.http.early_header_mutation.header_mutation", cfg)
 
 
+def _ext_proc_retry() -> GrpcRetryPolicy:
+    """One retry of an ext_proc stream the sidecar never answered (Envoy retries only before the stream's response
+    headers, i.e. before the sidecar's first answer): a worker handing over to its replacement (`sluice up`'s
+    recycle, extproc/server.py `_hand_over`) ends its gRPC server, and a stream Envoy opened before it read the
+    GOAWAY is refused by grpc; the retry opens it on a new connection, which only the replacement accepts. Envoy
+    buffers the stream's messages for it (`setBufferBodyForRetry`)."""
+    return GrpcRetryPolicy(retry_on="reset,connect-failure,refused-stream,unavailable,cancelled",
+                           num_retries=1,
+                           retry_back_off=BackoffStrategy(base_interval=dt.timedelta(milliseconds=5),
+                                                          max_interval=dt.timedelta(milliseconds=20)))
+
+
 def _ext_proc_filter(policy: Policy) -> HttpFilter:
     send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
     processor = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
-                                 timeout=_secs(5)),
+                                 timeout=_secs(5), retry_policy=_ext_proc_retry()),
         # Always allow at Envoy's level: an ext_proc failure then never touches a response in flight (a sidecar
         # crash used to reset every running stream, since trailers SEND keeps each ext_proc stream open). The
         # policy's fail-closed/fail-open choice is made by the route table instead (render_route_config): a
