@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -22,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
 
+from extproc.ports import port_is_free
 from extproc import metrics as m
 from extproc.accesslog import AccessLogReceiver
 from extproc.config import Policy
@@ -88,19 +88,6 @@ async def _follow_readiness(health: EppHealth, endpoints: Endpoints, gateway: Ga
         await asyncio.sleep(0.5)
 
 
-def grpc_port_free(host: str, port: int) -> bool:
-    """True when nothing listens on host:port: a plain bind (no SO_REUSEPORT) fails against any listener, a
-    sluice worker's too, so a real port conflict is reported even though the ext_proc socket shares its port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 async def _start_site(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
     """The /metrics and /ready listener; a failed start leaves nothing registered in the runner (so it can be tried
     again)."""
@@ -144,7 +131,7 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     gateway, servicer = _make_gateway(policy)
     sc = policy.sidecar
     grpc_addr = f"{sc.host}:{sc.grpc_port + worker}"
-    if take_over is None and not grpc_port_free(sc.host, sc.grpc_port + worker):
+    if take_over is None and not port_is_free(sc.host, sc.grpc_port + worker):
         raise OSError(f"cannot listen on {grpc_addr} (port taken)")
     server = grpc.aio.server(options=[
         ("grpc.max_concurrent_streams", 100_000),

@@ -25,21 +25,12 @@ from typing import Any, Callable
 import yaml
 
 from extproc.config import Policy, is_loopback, policy_to_dict, split_addr
+from extproc.ports import port_is_free
 from extproc.xds import envoy_binary, envoy_environment, render
 
 
 class StartupError(RuntimeError):
     """A component failed to start; the message says which and shows its log tail."""
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _ephemeral_low() -> int:

@@ -26,7 +26,7 @@ from extproc.restarts import read_rss_mb
 from extproc.supervisor import Stack, free_ports
 
 from .conftest import accounting, join_all, metric_sum, sim_metric, streams, wait_for
-from .test_shutdown import _children, _gone
+from .test_shutdown import _children, _gone, _stop_up
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 # A worker holds about 90-95 MB at rest here; holding 1,000 abandoned requests at once took one from 93 to 117 MB, and
@@ -185,9 +185,4 @@ def test_sluice_up_recycles_a_grown_worker_without_losing_a_request(tmp_path: Pa
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-        for pid in [*kids, *_children(proc.pid)]:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop_up(proc, kids)

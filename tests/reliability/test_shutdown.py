@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -90,6 +91,16 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return state in ("Z", "X")
+
+
+def _stop_up(proc: subprocess.Popen, kids: Iterable[int]) -> None:
+    """A test's cleanup of `sluice up`: SIGTERM if it still runs, then SIGKILL for any child left (by PID)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    for pid in [*kids, *_children(proc.pid)]:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_sluice_up_sigterm_stops_envoy_then_sidecar_then_replicas(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from extproc.supervisor import Stack
 
 from .conftest import (assert_openai_error, assert_settled, chat, join_all, metric_sum, sim_metric, streams,
                        wait_for)
-from .test_shutdown import _children, _gone, _write_policy
+from .test_shutdown import _children, _gone, _stop_up, _write_policy
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 CHAT = "/v1/chat/completions"
@@ -81,9 +81,4 @@ def test_sluice_up_restarts_a_killed_sidecar_under_stream_load(tmp_path: Path) -
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-        for pid in [*kids, *_children(proc.pid)]:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop_up(proc, kids)

@@ -166,7 +166,7 @@ def test_grpc_port_check_sees_any_listener_even_one_sharing_its_port() -> None:
     taken port, a sluice worker's included, by a plain bind first."""
     import socket
 
-    from extproc.server import grpc_port_free
+    from extproc.ports import port_is_free as grpc_port_free
     from extproc.supervisor import free_ports
 
     port = free_ports(1)[0]
