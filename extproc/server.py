@@ -21,7 +21,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from envoy.service.accesslog.v3 import als_pb2_grpc
 
-from extproc.ports import port_is_free
 from extproc import metrics as m
 from extproc.accesslog import AccessLogReceiver
 from extproc.config import Policy
@@ -30,6 +29,7 @@ from extproc.endpoints import Endpoints
 from extproc.epp import EppHealth
 from extproc.epp_gateway import EppGateway, EppServicer
 from extproc.gateway import Gateway
+from extproc.ports import port_is_free
 from extproc.reload import PolicyWatcher, ReloadResult, note_policy
 from extproc.routing.shared_load import shared_load_from_policy
 from extproc.servicer import ExtProcServicer
@@ -253,7 +253,7 @@ async def _drain(gateway: Gateway, health: EppHealth | None, grace_s: float) -> 
 
 def _queued(gateway: Gateway) -> int:
     """Requests waiting in this worker's admission queues."""
-    return sum(len(q) for s in getattr(gateway, "schedulers", {}).values() for q in s.queues)
+    return sum(s.queued_total() for s in gateway.schedulers.values())
 
 
 async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: AccessLogReceiver | None,
