@@ -283,6 +283,58 @@ class Placer:
             return True
         return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
 
+    def kv_free_s(self, req: LLMRequest, now: float) -> float | None:
+        """Seconds until some usable replica's KV could hold `req`, when KV keeps it off every usable replica; None
+        when it fits some replica by KV now, or nothing is usable. The KV a replica holds for requests this sidecar
+        does not know (another gateway's, without the shared view) may free at any moment: it counts as freed now,
+        so only what the known requests hold can make the wait long.
+
+        On replica r, with limit_r = capacity x w x (1 - kv_margin):
+            deficit_r   = committed(now, lifetime) + footprint - limit_r        (> 0: `kv_fits` refuses it)
+            unknown_r   = max(0, committed(now, inf) - own footprints in flight - the others' published ones)
+            freed_r(t)  = unknown_r
+                        + own footprints whose predicted end <= now + t   (own requests past it: at t = 0)
+                        + the others' published footprints once t >= their mean remaining decode
+                          (published growth / their requests x decode s)
+            free_r      = the least t with freed_r(t) >= deficit_r          (inf: nothing known frees enough)
+        Returns min_r free_r."""
+        best: float | None = None
+        footprint = float(req.total_tokens)
+        for r in self.pool.replicas:
+            if not self.usable(r, now):
+                continue
+            cap = r.kv_capacity_tokens
+            if not cap or not r.engine.scraped_at:
+                return None
+            limit = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
+            lifetime = self.lifetime_s(r, req, now, float(req.prompt_tokens))
+            deficit = self.kv_committed(r, now, lifetime) + footprint - limit
+            if deficit <= 0:
+                return None
+            t = self._kv_freed_after(r, now, deficit)
+            best = t if best is None else min(best, t)
+        return best
+
+    def _kv_freed_after(self, r: Replica, now: float, deficit: float) -> float:
+        """`kv_free_s`'s free_r: the least t at which `deficit` KV tokens on `r` are free, counting the KV of requests
+        this sidecar does not know as freed now and each known request's footprint from its predicted end on
+        (inf when all of them together do not free enough)."""
+        ends = self.growth[r].ends(now) if r in self.growth else []
+        known = r.inflight_tokens + r.shared_tokens
+        freed = max(0.0, self.kv_committed(r, now) - known)  # held for requests it does not know
+        freed += max(0.0, r.inflight_tokens - sum(tokens for _, tokens in ends))  # own ones past their predicted end
+        if freed >= deficit:
+            return 0.0
+        events = [(end - now, tokens) for end, tokens in ends]
+        if r.shared_requests:
+            events.append((r.shared_growth / r.shared_requests * self.decode_s, float(r.shared_tokens)))
+            events.sort()
+        for t, tokens in events:
+            freed += tokens
+            if freed >= deficit:
+                return max(0.0, t)
+        return math.inf
+
     def max_footprint(self) -> float:
         """The largest footprint any replica could ever hold (for "can never fit")."""
         caps = [r.kv_capacity_tokens for r in self.pool.replicas if r.kv_capacity_tokens]
@@ -563,7 +615,8 @@ class Placer:
             until[req.tenant] = r.lane_prefill_until[lane]
         if self.prefix is not None and req.prefix_chain:
             self.prefix.record(r, req, self.prefix.predicted_tokens(r, req), now)
-        return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s)
+        return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s,
+                                   req.total_tokens)
 
     def _ledger(self, r: Replica) -> KvGrowth:
         g = self.growth.get(r)
@@ -595,5 +648,6 @@ class Placer:
             self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1
         if growth is not None:
-            growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s)
+            growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s, growth.tokens)
         return to.scrape_epoch, growth
+

@@ -237,6 +237,15 @@ class Scheduler:
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
+        kv_s = self.placer.kv_free_s(req, now)
+        if kv_s is not None and kv_s > wait_budget:
+            # Every replica's KV is committed to requests in flight that end later than this one may wait: neither
+            # the queue nor the SDK's prompt retry can start it within the SLO. Say so now, with when KV frees (PG).
+            self.m.shed(lane, "kv_committed")
+            raise Shed(429, "kv_committed",
+                       f"the KV cache of every replica of {req.model} is committed to requests in flight for about "
+                       f"{kv_s:.1f}s, more than this request may wait ({wait_budget:.1f}s); retry after that",
+                       retry_after_s=self._clamp_retry_after(kv_s), should_retry=False)
         ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
