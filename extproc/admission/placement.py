@@ -283,14 +283,17 @@ class Placer:
             return True
         return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
 
-    def kv_free_s(self, req: LLMRequest, now: float) -> float | None:
-        """Seconds until some usable replica's KV could hold `req`, when KV keeps it off every usable replica; None
-        when it fits some replica by KV now, or nothing is usable. The KV a replica holds for requests this sidecar
-        does not know (another gateway's, without the shared view) may free at any moment: it counts as freed now,
-        so only what the known requests hold can make the wait long.
+    def kv_free_s(self, req: LLMRequest, now: float, ahead: int = 0, ahead_tokens: float = 0.0) -> float | None:
+        """Seconds until some usable replica's KV could hold `req` behind the `ahead` requests queued before it
+        (`ahead_tokens`: their footprints), when KV keeps it off every usable replica; None when it fits some
+        replica by KV after them, or nothing is usable. The KV a replica holds for requests this sidecar does not
+        know (another gateway's, without the shared view) may free at any moment: it counts as freed now, so only
+        what the known requests hold can make the wait long.
 
-        On replica r, with limit_r = capacity x w x (1 - kv_margin):
-            deficit_r   = committed(now, lifetime) + footprint - limit_r        (> 0: `kv_fits` refuses it)
+        With limit_r = capacity x w x (1 - kv_margin):
+            room_r      = limit_r - committed(now, lifetime)                   (`kv_fits`' room)
+                          less the footprints ahead, each on the replica with the most room left
+            deficit_r   = footprint - room_r                                   (<= 0 on some r: None)
             unknown_r   = max(0, committed(now, inf) - own footprints in flight - the others' published ones)
             freed_r(t)  = unknown_r
                         + own footprints whose predicted end <= now + t   (own requests past it: at t = 0)
@@ -298,8 +301,7 @@ class Placer:
                           (published growth / their requests x decode s)
             free_r      = the least t with freed_r(t) >= deficit_r          (inf: nothing known frees enough)
         Returns min_r free_r."""
-        best: float | None = None
-        footprint = float(req.total_tokens)
+        rooms: dict[Replica, float] = {}
         for r in self.pool.replicas:
             if not self.usable(r, now):
                 continue
@@ -308,12 +310,17 @@ class Placer:
                 return None
             limit = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
             lifetime = self.lifetime_s(r, req, now, float(req.prompt_tokens))
-            deficit = self.kv_committed(r, now, lifetime) + footprint - limit
-            if deficit <= 0:
-                return None
-            t = self._kv_freed_after(r, now, deficit)
-            best = t if best is None else min(best, t)
-        return best
+            rooms[r] = limit - self.kv_committed(r, now, lifetime)
+        if not rooms:
+            return None
+        each = ahead_tokens / ahead if ahead else 0.0
+        for _ in range(ahead):
+            most = max(rooms, key=rooms.__getitem__)
+            rooms[most] -= each
+        footprint = float(req.total_tokens)
+        if max(rooms.values()) >= footprint:
+            return None
+        return min(self._kv_freed_after(r, now, footprint - room) for r, room in rooms.items())
 
     def _kv_freed_after(self, r: Replica, now: float, deficit: float) -> float:
         """`kv_free_s`'s free_r: the least t at which `deficit` KV tokens on `r` are free, counting the KV of requests

@@ -170,13 +170,13 @@ class Scheduler:
         m = self.meter[lane]
         return sum(q.size for i, q in enumerate(self.queues) if self.meter[i] == m)
 
-    def _work_ahead(self, lane: int, tenant: str, priority: int) -> tuple[int, int]:
-        """Waiters (and their prompt tokens) a new request of `tenant` in `lane` would wait behind: in fair order in
-        its lane, and with it the other lanes sharing the pool (one fair order across them: `kick`)."""
+    def _work_ahead(self, lane: int, tenant: str, priority: int, footprints: bool = False) -> tuple[int, int]:
+        """Waiters (and their prompt tokens, or footprints) a new request of `tenant` in `lane` would wait behind: in
+        fair order in its lane, and with it the other lanes sharing the pool (one fair order across them: `kick`)."""
         n = len(self.queues)
         if self.meter[lane] != n:
-            return self.queues[lane].work_ahead(tenant, priority)
-        return work_ahead([q for i, q in enumerate(self.queues) if self.meter[i] == n], tenant, priority)
+            return work_ahead([self.queues[lane]], tenant, priority, footprints)
+        return work_ahead([q for i, q in enumerate(self.queues) if self.meter[i] == n], tenant, priority, footprints)
 
     def _waiting_at_or_above(self, lane: int, priority: int) -> bool:
         """Something of this priority or higher waits where a new request of `lane` would queue behind it (its
@@ -237,16 +237,18 @@ class Scheduler:
             if placed is not None:
                 self.m.admitted(lane, queued=False)
                 return placed
-        kv_s = self.placer.kv_free_s(req, now)
+        ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
+        ahead_kv = self._work_ahead(lane, req.tenant, prio, footprints=True)[1] if ahead else 0
+        kv_s = self.placer.kv_free_s(req, now, ahead, ahead_kv)
         if kv_s is not None and kv_s > wait_budget:
-            # Every replica's KV is committed to requests in flight that end later than this one may wait: neither
-            # the queue nor the SDK's prompt retry can start it within the SLO. Say so now, with when KV frees (PG).
+            # Every replica's KV (after the waiters ahead of it take theirs) is committed to requests in flight that
+            # end later than this one may wait: neither the queue nor the SDK's prompt retry can start it within
+            # the SLO. Say so now, with when KV frees (PG).
             self.m.shed(lane, "kv_committed")
             raise Shed(429, "kv_committed",
                        f"the KV cache of every replica of {req.model} is committed to requests in flight for about "
                        f"{kv_s:.1f}s, more than this request may wait ({wait_budget:.1f}s); retry after that",
                        retry_after_s=self._clamp_retry_after(kv_s), should_retry=False)
-        ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
