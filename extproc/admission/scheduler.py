@@ -5,6 +5,8 @@ does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
            ─► deadline already unmeetable? ─► 429 x-should-retry: false
            ─► no replica routable at all (outage)? ─► 503 pool_unavailable, retry-after 1 s
            ─► nobody ahead and a replica fits ─► dispatched now
+           ─► KV keeps it off every replica (behind the waiters ahead) until after its wait budget ─► 429
+              kv_committed at once, x-should-retry: false, retry-after = when KV frees
            ─► no replica's prefill room left behind the queue ahead, or the queue's expected wait past the wait
               budget ─► 429 at once, retry-after (it would only have expired in the queue)
            ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
