@@ -91,6 +91,7 @@ MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones
 STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
+ROOM_STEPS = 64  # waiters ahead placed one by one on the replica with the most KV room (`_room_behind`); beyond, a level
 REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
                 # scheduler's timer): the replica never runs dry between dispatches
 
@@ -301,26 +302,48 @@ class Placer:
                           (published growth / their requests x decode s)
             free_r      = the least t with freed_r(t) >= deficit_r          (inf: nothing known frees enough)
         Returns min_r free_r."""
-        rooms: dict[Replica, float] = {}
+        limits: dict[Replica, float] = {}
         for r in self.pool.replicas:
             if not self.usable(r, now):
                 continue
             cap = r.kv_capacity_tokens
             if not cap or not r.engine.scraped_at:
                 return None
-            limit = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
-            lifetime = self.lifetime_s(r, req, now, float(req.prompt_tokens))
-            rooms[r] = limit - self.kv_committed(r, now, lifetime)
-        if not rooms:
+            limits[r] = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
+        if not limits:
             return None
-        each = ahead_tokens / ahead if ahead else 0.0
-        for _ in range(ahead):
-            most = max(rooms, key=rooms.__getitem__)
-            rooms[most] -= each
         footprint = float(req.total_tokens)
+        # The whole future first (O(1) per replica, less room than within the lifetime): room enough -> None.
+        fast = {r: lim - self.kv_committed(r, now) for r, lim in limits.items()}
+        if max(self._room_behind(ahead, ahead_tokens, fast).values()) >= footprint:
+            return None
+        rooms = self._room_behind(ahead, ahead_tokens, {
+            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, float(req.prompt_tokens)))
+            for r, lim in limits.items()})
         if max(rooms.values()) >= footprint:
             return None
         return min(self._kv_freed_after(r, now, footprint - room) for r, room in rooms.items())
+
+    @staticmethod
+    def _room_behind(ahead: int, ahead_tokens: float, rooms: dict[Replica, float]) -> dict[Replica, float]:
+        """Each replica's KV room left once the `ahead` waiters (`ahead_tokens` of footprints, each the mean) took
+        theirs, each on the replica with the most room left. Beyond ROOM_STEPS waiters, as a level: every room
+        above L lowered to L, with sum over them of (room - L) = ahead_tokens."""
+        if ahead > ROOM_STEPS:
+            vals = sorted(rooms.values(), reverse=True)
+            acc = level = 0.0
+            for k, v in enumerate(vals, 1):
+                acc += v
+                level = (acc - ahead_tokens) / k
+                if k == len(vals) or level >= vals[k]:
+                    break
+            return {r: min(room, level) for r, room in rooms.items()}
+        left = dict(rooms)
+        each = ahead_tokens / ahead if ahead else 0.0
+        for _ in range(ahead):
+            most = max(left, key=left.__getitem__)
+            left[most] -= each
+        return left
 
     def _kv_freed_after(self, r: Replica, now: float, deficit: float) -> float:
         """`kv_free_s`'s free_r: the least t at which `deficit` KV tokens on `r` are free, counting the KV of requests

@@ -105,3 +105,12 @@ def test_nothing_known_frees_enough_is_an_unbounded_wait():
     s = scheduler(kv_usage=0.0)
     r = s.pool.replicas[0]
     assert s.placer._kv_freed_after(r, 1.0, 500.0) == math.inf  # no request in flight frees anything
+
+
+def test_the_waiters_ahead_fill_the_roomiest_replicas_one_by_one_then_as_a_level():
+    a, b = scheduler(n=2).pool.replicas
+    room = Placer._room_behind
+    assert room(1, 1_100, {a: 1_100, b: 1_100}) == {a: 0.0, b: 1_100}  # a whole request on one replica
+    assert room(3, 30, {a: 100, b: 0}) == {a: 70.0, b: 0}
+    assert room(65, 65, {a: 100, b: 0}) == {a: 35.0, b: 0}            # many: lowered as a level
+    assert room(100, 1_000, {a: 100, b: 50}) == {a: -425.0, b: -425.0}
