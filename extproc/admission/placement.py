@@ -91,7 +91,7 @@ MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones
 STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
-ROOM_STEPS = 64  # waiters ahead placed one by one on the replica with the most KV room (`_room_behind`); beyond, a level
+ROOM_STEPS = 64  # waiters ahead placed one by one on the replica with the most KV room (`_room_behind`); more: a level
 REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
                 # scheduler's timer): the replica never runs dry between dispatches
 
@@ -680,4 +680,3 @@ class Placer:
         if growth is not None:
             growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s, growth.tokens)
         return to.scrape_epoch, growth
-
