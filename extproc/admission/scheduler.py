@@ -247,10 +247,7 @@ class Scheduler:
             # end later than this one may wait: neither the queue nor the SDK's prompt retry can start it within
             # the SLO. Say so now, with when KV frees (PG).
             self.m.shed(lane, "kv_committed")
-            raise Shed(429, "kv_committed",
-                       f"the KV cache of every replica of {req.model} is committed to requests in flight for about "
-                       f"{kv_s:.1f}s, more than this request may wait ({wait_budget:.1f}s); retry after that",
-                       retry_after_s=self._clamp_retry_after(kv_s), should_retry=False)
+            raise self._kv_committed(req, kv_s, wait_budget)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
@@ -469,7 +466,14 @@ class Scheduler:
             self.m.queued(w.lane, w.priority, -1)
 
     def expired(self, w: Waiter, now: float) -> Shed:
+        """Its wait budget ended in the queue: 429 queue_timeout, retryable after the queue's drain time; or, when
+        KV keeps it off every replica for longer than the shortest retry-after (MIN_RETRY_AFTER_S), 429
+        kv_committed, final, retry-after = when KV frees (`submit`'s rule with no wait left)."""
         self.abandon(w)
+        kv_s = self.placer.kv_free_s(w.req, now) if self.pool_up(now) else None
+        if kv_s is not None and kv_s > MIN_RETRY_AFTER_S:
+            self.m.shed(w.lane, "kv_committed")
+            return self._kv_committed(w.req, kv_s, 0.0)
         self.m.shed(w.lane, "deadline")
         return self._overload(w.lane, now, "queue_timeout",
                               f"waited {now - w.enqueued:.1f}s for capacity on {self.pool.model}")
@@ -479,6 +483,14 @@ class Scheduler:
             return self._pool_unavailable(message)
         return Shed(429, code, message + "; retry later", retry_after_s=self.retry_after(lane, now),
                     should_retry=True)
+
+    def _kv_committed(self, req: LLMRequest, kv_s: float, wait_s: float) -> Shed:
+        """429 kv_committed: KV frees in `kv_s`, later than the `wait_s` it may still wait; x-should-retry false
+        (retrying at the SDK's pace cannot start it within the SLO), retry-after = `kv_s` (0.2 .. 60 s)."""
+        return Shed(429, "kv_committed",
+                    f"the KV cache of every replica of {req.model} is committed to requests in flight for about "
+                    f"{kv_s:.1f}s, more than this request may wait ({wait_s:.1f}s); retry after that",
+                    retry_after_s=self._clamp_retry_after(kv_s), should_retry=False)
 
     def _pool_unavailable(self, message: str) -> Shed:
         return Shed(503, "pool_unavailable", f"no replica of {self.pool.model} is available"

@@ -114,3 +114,15 @@ def test_the_waiters_ahead_fill_the_roomiest_replicas_one_by_one_then_as_a_level
     assert room(3, 30, {a: 100, b: 0}) == {a: 70.0, b: 0}
     assert room(65, 65, {a: 100, b: 0}) == {a: 35.0, b: 0}            # many: lowered as a level
     assert room(100, 1_000, {a: 100, b: 50}) == {a: -425.0, b: -425.0}
+
+
+async def test_a_waiter_whose_budget_ends_while_kv_stays_committed_is_told_when_kv_frees():
+    s = scheduler()
+    placed = [s.submit(req(), 1.0) for _ in range(9)]
+    w = Waiter(req=req(), lane=0, priority=0, tenant="", deadline=1.4, enqueued=1.0)
+    shed = s.expired(w, 1.4)
+    assert (shed.code, shed.should_retry) == ("kv_committed", False)
+    assert shed.retry_after_s == pytest.approx(min(p.growth.end for p in placed) - 1.4)
+    lone = scheduler()
+    lone.submit(req(), 1.0)
+    assert lone.expired(w, 1.4).code == "queue_timeout"  # not KV: the queue's answer, retryable
