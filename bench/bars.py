@@ -248,6 +248,11 @@ BARS: list[Bar] = [
         lambda r: (_v(r, "sluice", "other_tenant_ttft_p95_s") <= 1.5 * _v(r, "sluice", "other_tenant_ttft_p95_idle_s"))
         if _all(_v(r, "sluice", "other_tenant_ttft_p95_s"), _v(r, "sluice", "other_tenant_ttft_p95_idle_s"))
         else None, _one("other_tenant_ttft_p95_s", "other_tenant_ttft_p95_idle_s")),
+    Bar("PG", "shared setup's ttft_p95_s <= 0.7 x the independent one's",
+        lambda r: (_v(r, "shared", "ttft_p95_s") <= 0.7 * _v(r, "independent", "ttft_p95_s"))
+        if _all(_v(r, "shared", "ttft_p95_s"), _v(r, "independent", "ttft_p95_s")) else None,
+        lambda r: f"shared {_fmt(_v(r, 'shared', 'ttft_p95_s'))}, "
+                  f"independent {_fmt(_v(r, 'independent', 'ttft_p95_s'))}"),
     Bar("P12", "admitted streams keep flowing (admitted_flowing == 1.0)", _lim("admitted_flowing", lambda a: a == 1.0),
         _one("admitted_flowing", "open_streams_max")),
     Bar("P12", "Envoy + sidecar memory grows by <= 100 KB per open stream",

@@ -31,15 +31,17 @@ _seq = count()     # tie-breaker for heap entries with equal times
 
 class Growth:
     """One request's entry: its predicted first token and decode end, 1 / its decode time per token, its expected
-    output, and whether it still counts (live) and decodes (started)."""
+    output, the KV tokens it holds at its end (footprint: prompt + expected output, which its end frees), and
+    whether it still counts (live) and decodes (started)."""
 
-    __slots__ = ("first", "end", "per_s", "out", "live", "started")
+    __slots__ = ("first", "end", "per_s", "out", "tokens", "live", "started")
 
-    def __init__(self, first: float, out: float, decode_s: float) -> None:
+    def __init__(self, first: float, out: float, decode_s: float, tokens: float = 0.0) -> None:
         self.first = first
         self.end = first + out * decode_s
         self.per_s = 1.0 / decode_s
         self.out = out
+        self.tokens = tokens
         self.live = True
         self.started = False
 
@@ -57,9 +59,10 @@ class KvGrowth:
         self._rates = 0.0  # sum of 1 / d_i over the live decoding entries
         self._dead = 0     # entries removed before their end, still in a heap
 
-    def add(self, first_token_at: float, output_tokens: float, decode_s: float) -> Growth:
-        """A request placed here that will decode `output_tokens` from `first_token_at` at `decode_s` per token."""
-        g = Growth(first_token_at, output_tokens, decode_s)
+    def add(self, first_token_at: float, output_tokens: float, decode_s: float, tokens: float = 0.0) -> Growth:
+        """A request placed here that will decode `output_tokens` from `first_token_at` at `decode_s` per token, and
+        hold `tokens` of KV (its footprint) until its end."""
+        g = Growth(first_token_at, output_tokens, decode_s, tokens)
         heapq.heappush(self._pending, (g.first, next(_seq), g))
         self._out += g.out
         return g
@@ -131,6 +134,15 @@ class KvGrowth:
             if g.live:
                 total += ((end if end < until else until) - now) * g.per_s
         return total
+
+    def ends(self, now: float) -> list[tuple[float, float]]:
+        """(predicted end, footprint) of each counted request, soonest first: when its end frees its KV
+        (O(n log n) in the requests in flight: for a refusal, not for a placement)."""
+        self._advance(now)
+        out = [(g.end, g.tokens) for _, _, g in self._pending if g.live]
+        out += [(g.end, g.tokens) for _, _, g in self._decoding if g.live]
+        out.sort()
+        return out
 
     def __len__(self) -> int:
         return len(self._pending) + len(self._decoding)

@@ -15,7 +15,8 @@ ADMITTED = Counter("sluice_admitted_total", "Requests dispatched to a replica, b
                    ["pool", "lane", "queued"])
 SHED = Counter("sluice_shed_total",
                "Requests answered without reaching a replica, by lane and reason (queue_full, deadline, "
-               "wait_exceeds_deadline, deadline_unmeetable, never_fits, evicted).", ["pool", "lane", "reason"])
+               "wait_exceeds_deadline, kv_committed, deadline_unmeetable, never_fits, evicted).",
+               ["pool", "lane", "reason"])
 SATURATION = Counter("sluice_replica_saturated_total",
                      "Placement attempts that found replicas full, by reason (kv_full, engine_queue, concurrency, "
                      "prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])

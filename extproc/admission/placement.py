@@ -91,6 +91,7 @@ MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones
 STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
+ROOM_STEPS = 64  # waiters ahead placed one by one on the replica with the most KV room (`_room_behind`); more: a level
 REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
                 # scheduler's timer): the replica never runs dry between dispatches
 
@@ -282,6 +283,87 @@ class Placer:
         if self.kv_committed(r, now) <= room:
             return True
         return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
+
+    def kv_free_s(self, req: LLMRequest, now: float, ahead: int = 0, ahead_tokens: float = 0.0) -> float | None:
+        """Seconds until some usable replica's KV could hold `req` behind the `ahead` requests queued before it
+        (`ahead_tokens`: their footprints), when KV keeps it off every usable replica; None when it fits some
+        replica by KV after them, or nothing is usable. The KV a replica holds for requests this sidecar does not
+        know (another gateway's, without the shared view) may free at any moment: it counts as freed now, so only
+        what the known requests hold can make the wait long.
+
+        With limit_r = capacity x w x (1 - kv_margin):
+            room_r      = limit_r - committed(now, lifetime)                   (`kv_fits`' room)
+                          less the footprints ahead, each on the replica with the most room left
+            deficit_r   = footprint - room_r                                   (<= 0 on some r: None)
+            unknown_r   = max(0, committed(now, inf) - own footprints in flight - the others' published ones)
+            freed_r(t)  = unknown_r
+                        + own footprints whose predicted end <= now + t   (own requests past it: at t = 0)
+                        + the others' published footprints once t >= their mean remaining decode
+                          (published growth / their requests x decode s)
+            free_r      = the least t with freed_r(t) >= deficit_r          (inf: nothing known frees enough)
+        Returns min_r free_r."""
+        limits: dict[Replica, float] = {}
+        for r in self.pool.replicas:
+            if not self.usable(r, now):
+                continue
+            cap = r.kv_capacity_tokens
+            if not cap or not r.engine.scraped_at:
+                return None
+            limits[r] = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
+        if not limits:
+            return None
+        footprint = float(req.total_tokens)
+        # The whole future first (O(1) per replica, less room than within the lifetime): room enough -> None.
+        fast = {r: lim - self.kv_committed(r, now) for r, lim in limits.items()}
+        if max(self._room_behind(ahead, ahead_tokens, fast).values()) >= footprint:
+            return None
+        rooms = self._room_behind(ahead, ahead_tokens, {
+            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, float(req.prompt_tokens)))
+            for r, lim in limits.items()})
+        if max(rooms.values()) >= footprint:
+            return None
+        return min(self._kv_freed_after(r, now, footprint - room) for r, room in rooms.items())
+
+    @staticmethod
+    def _room_behind(ahead: int, ahead_tokens: float, rooms: dict[Replica, float]) -> dict[Replica, float]:
+        """Each replica's KV room left once the `ahead` waiters (`ahead_tokens` of footprints, each the mean) took
+        theirs, each on the replica with the most room left. Beyond ROOM_STEPS waiters, as a level: every room
+        above L lowered to L, with sum over them of (room - L) = ahead_tokens."""
+        if ahead > ROOM_STEPS:
+            vals = sorted(rooms.values(), reverse=True)
+            acc = level = 0.0
+            for k, v in enumerate(vals, 1):
+                acc += v
+                level = (acc - ahead_tokens) / k
+                if k == len(vals) or level >= vals[k]:
+                    break
+            return {r: min(room, level) for r, room in rooms.items()}
+        left = dict(rooms)
+        each = ahead_tokens / ahead if ahead else 0.0
+        for _ in range(ahead):
+            most = max(left, key=left.__getitem__)
+            left[most] -= each
+        return left
+
+    def _kv_freed_after(self, r: Replica, now: float, deficit: float) -> float:
+        """`kv_free_s`'s free_r: the least t at which `deficit` KV tokens on `r` are free, counting the KV of requests
+        this sidecar does not know as freed now and each known request's footprint from its predicted end on
+        (inf when all of them together do not free enough)."""
+        ends = self.growth[r].ends(now) if r in self.growth else []
+        known = r.inflight_tokens + r.shared_tokens
+        freed = max(0.0, self.kv_committed(r, now) - known)  # held for requests it does not know
+        freed += max(0.0, r.inflight_tokens - sum(tokens for _, tokens in ends))  # own ones past their predicted end
+        if freed >= deficit:
+            return 0.0
+        events = [(end - now, tokens) for end, tokens in ends]
+        if r.shared_requests:
+            events.append((r.shared_growth / r.shared_requests * self.decode_s, float(r.shared_tokens)))
+            events.sort()
+        for t, tokens in events:
+            freed += tokens
+            if freed >= deficit:
+                return max(0.0, t)
+        return math.inf
 
     def max_footprint(self) -> float:
         """The largest footprint any replica could ever hold (for "can never fit")."""
@@ -563,7 +645,8 @@ class Placer:
             until[req.tenant] = r.lane_prefill_until[lane]
         if self.prefix is not None and req.prefix_chain:
             self.prefix.record(r, req, self.prefix.predicted_tokens(r, req), now)
-        return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s)
+        return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s,
+                                   req.total_tokens)
 
     def _ledger(self, r: Replica) -> KvGrowth:
         g = self.growth.get(r)
@@ -595,5 +678,5 @@ class Placer:
             self.prefix.hold(to, req)
         to.lane_inflight[lane] += 1
         if growth is not None:
-            growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s)
+            growth = self._ledger(to).add(growth.first, growth.out, 1.0 / growth.per_s, growth.tokens)
         return to.scrape_epoch, growth

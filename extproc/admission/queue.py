@@ -150,7 +150,7 @@ class FairQueue:
         self.virtual.vtime = {t: v for t, v in self.virtual.vtime.items() if t in backlogged}
 
 
-def work_ahead(queues: list[FairQueue], tenant: str, priority: int) -> tuple[int, int]:
+def work_ahead(queues: list[FairQueue], tenant: str, priority: int, footprints: bool = False) -> tuple[int, int]:
     """The requests queued in `queues` (one queue, or the lanes sharing one VirtualClock and served in one fair
     order) that a new one of `tenant` would wait behind, and their prompt tokens (the prefill they take before it):
     every one of a higher priority; of its own priority, the tenant's own queue, and of each other tenant the
@@ -160,13 +160,14 @@ def work_ahead(queues: list[FairQueue], tenant: str, priority: int) -> tuple[int
         start(u, j) = vtime[u] + sum over u's first j queued of tokens / weight[u]
 
     (start-time fair queueing: the lowest tag goes next). A quiet tenant's request is not behind a flooding
-    tenant's whole backlog, and an early shed must not pretend it is."""
+    tenant's whole backlog, and an early shed must not pretend it is. `footprints`: count their footprints (prompt +
+    expected output: the KV they take before it) instead of their prompts."""
     count = tokens = 0
     for q in queues:
         for p in range(priority):
             for dq in q.levels[p].values():
                 count += len(dq)
-                tokens += sum(w.req.prompt_tokens for w in dq)
+                tokens += sum(_size(w, footprints) for w in dq)
     v = queues[0].virtual
     weights = queues[0].weights
     start = max(v.vtime.get(tenant, v.clock), v.clock)
@@ -179,7 +180,7 @@ def work_ahead(queues: list[FairQueue], tenant: str, priority: int) -> tuple[int
                 continue
             count += len(dq)
             for w in dq:
-                tokens += w.req.prompt_tokens
+                tokens += _size(w, footprints)
                 start += w.req.total_tokens / w_own
     for t, dqs in others.items():
         weight = weights.get(t, 1.0)
@@ -188,6 +189,11 @@ def work_ahead(queues: list[FairQueue], tenant: str, priority: int) -> tuple[int
             if tag > start + 1e-9:
                 break
             count += 1
-            tokens += w.req.prompt_tokens
+            tokens += _size(w, footprints)
             tag += w.req.total_tokens / weight
     return count, tokens
+
+
+def _size(w: Waiter, footprint: bool) -> int:
+    """A waiter's prompt tokens, or its footprint (prompt + expected output)."""
+    return w.req.total_tokens if footprint else w.req.prompt_tokens

@@ -5,6 +5,8 @@ does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
            ─► deadline already unmeetable? ─► 429 x-should-retry: false
            ─► no replica routable at all (outage)? ─► 503 pool_unavailable, retry-after 1 s
            ─► nobody ahead and a replica fits ─► dispatched now
+           ─► KV keeps it off every replica (behind the waiters ahead) until after its wait budget ─► 429
+              kv_committed at once, x-should-retry: false, retry-after = when KV frees
            ─► no replica's prefill room left behind the queue ahead, or the queue's expected wait past the wait
               budget ─► 429 at once, retry-after (it would only have expired in the queue)
            ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
@@ -170,13 +172,13 @@ class Scheduler:
         m = self.meter[lane]
         return sum(q.size for i, q in enumerate(self.queues) if self.meter[i] == m)
 
-    def _work_ahead(self, lane: int, tenant: str, priority: int) -> tuple[int, int]:
-        """Waiters (and their prompt tokens) a new request of `tenant` in `lane` would wait behind: in fair order in
-        its lane, and with it the other lanes sharing the pool (one fair order across them: `kick`)."""
+    def _work_ahead(self, lane: int, tenant: str, priority: int, footprints: bool = False) -> tuple[int, int]:
+        """Waiters (and their prompt tokens, or footprints) a new request of `tenant` in `lane` would wait behind: in
+        fair order in its lane, and with it the other lanes sharing the pool (one fair order across them: `kick`)."""
         n = len(self.queues)
         if self.meter[lane] != n:
-            return self.queues[lane].work_ahead(tenant, priority)
-        return work_ahead([q for i, q in enumerate(self.queues) if self.meter[i] == n], tenant, priority)
+            return work_ahead([self.queues[lane]], tenant, priority, footprints)
+        return work_ahead([q for i, q in enumerate(self.queues) if self.meter[i] == n], tenant, priority, footprints)
 
     def _waiting_at_or_above(self, lane: int, priority: int) -> bool:
         """Something of this priority or higher waits where a new request of `lane` would queue behind it (its
@@ -238,6 +240,14 @@ class Scheduler:
                 self.m.admitted(lane, queued=False)
                 return placed
         ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
+        ahead_kv = self._work_ahead(lane, req.tenant, prio, footprints=True)[1] if ahead else 0
+        kv_s = self.placer.kv_free_s(req, now, ahead, ahead_kv)
+        if kv_s is not None and kv_s > wait_budget:
+            # Every replica's KV (after the waiters ahead of it take theirs) is committed to requests in flight that
+            # end later than this one may wait: neither the queue nor the SDK's prompt retry can start it within
+            # the SLO. Say so now, with when KV frees (PG).
+            self.m.shed(lane, "kv_committed")
+            raise self._kv_committed(req, kv_s, wait_budget)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
@@ -456,7 +466,14 @@ class Scheduler:
             self.m.queued(w.lane, w.priority, -1)
 
     def expired(self, w: Waiter, now: float) -> Shed:
+        """Its wait budget ended in the queue: 429 queue_timeout, retryable after the queue's drain time; or, when
+        KV keeps it off every replica for longer than the shortest retry-after (MIN_RETRY_AFTER_S), 429
+        kv_committed, final, retry-after = when KV frees (`submit`'s rule with no wait left)."""
         self.abandon(w)
+        kv_s = self.placer.kv_free_s(w.req, now) if self.pool_up(now) else None
+        if kv_s is not None and kv_s > MIN_RETRY_AFTER_S:
+            self.m.shed(w.lane, "kv_committed")
+            return self._kv_committed(w.req, kv_s, 0.0)
         self.m.shed(w.lane, "deadline")
         return self._overload(w.lane, now, "queue_timeout",
                               f"waited {now - w.enqueued:.1f}s for capacity on {self.pool.model}")
@@ -466,6 +483,14 @@ class Scheduler:
             return self._pool_unavailable(message)
         return Shed(429, code, message + "; retry later", retry_after_s=self.retry_after(lane, now),
                     should_retry=True)
+
+    def _kv_committed(self, req: LLMRequest, kv_s: float, wait_s: float) -> Shed:
+        """429 kv_committed: KV frees in `kv_s`, later than the `wait_s` it may still wait; x-should-retry false
+        (retrying at the SDK's pace cannot start it within the SLO), retry-after = `kv_s` (0.2 .. 60 s)."""
+        return Shed(429, "kv_committed",
+                    f"the KV cache of every replica of {req.model} is committed to requests in flight for about "
+                    f"{kv_s:.1f}s, more than this request may wait ({wait_s:.1f}s); retry after that",
+                    retry_after_s=self._clamp_retry_after(kv_s), should_retry=False)
 
     def _pool_unavailable(self, message: str) -> Shed:
         return Shed(503, "pool_unavailable", f"no replica of {self.pool.model} is available"

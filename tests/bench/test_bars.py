@@ -60,3 +60,13 @@ def test_honest_bars_goodput_margin_worst_class_policy_and_reproduction():
     assert v[("P2", "_meta.sluice_policy has deployment facts only")] is False         # lanes are tuning
     assert v[("P11", "_meta.sluice_policy has deployment facts only")] is True
     assert v[("P12", "reproduces its problem on envoy-rr")] is False
+
+
+def test_pg_bar_compares_the_shared_setup_with_the_independent_one():
+    bar = "shared setup's ttft_p95_s <= 0.7 x the independent one's"
+    judge = {(b.scenario, b.text): ok for b, ok, _ in evaluate({"PG": {"independent": {"ttft_p95_s": 1.43},
+                                                                        "shared": {"ttft_p95_s": 0.43}}})}
+    assert judge[("PG", bar)] is True
+    judge = {(b.scenario, b.text): ok for b, ok, _ in evaluate({"PG": {"independent": {"ttft_p95_s": 0.89},
+                                                                        "shared": {"ttft_p95_s": 0.88}}})}
+    assert judge[("PG", bar)] is False
