@@ -4,7 +4,7 @@
 from pathlib import Path
 
 from bench.bars import real_bars
-from bench.real import BEGIN, END, comparison, merge, winner, write_docs
+from bench.real import BEGIN, END, comparison, merge, section, winner, write_docs
 
 
 def _run(sid: str, commit: str, rows: dict) -> dict:
@@ -63,3 +63,14 @@ def test_docs_section_is_replaced_between_its_markers(tmp_path: Path):
     write_docs(page, f"{BEGIN}\ntwo\n{END}")
     text = page.read_text()
     assert text.count(BEGIN) == 1 and "two" in text and "one" not in text and text.startswith("# B\n\nintro")
+
+
+def test_the_section_names_the_preset_and_the_machines_load_scale():
+    preset = {"preset": "/x/preset.json", "name": "tiny-cpu", "description": "fitted to vLLM 0.32.0 here",
+              "load_scale": 0.27}
+    a = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}})
+    a["_meta"]["preset"] = preset
+    merged = merge([a])
+    assert merged["_meta"]["preset"] == preset
+    text = section(merged, merged)
+    assert "scaled by 0.27" in text and "fitted to vLLM 0.32.0 here" in text
