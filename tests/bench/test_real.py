@@ -74,3 +74,21 @@ def test_the_section_names_the_preset_and_the_machines_load_scale():
     assert merged["_meta"]["preset"] == preset
     text = section(merged, merged)
     assert "scaled by 0.27" in text and "fitted to vLLM 0.32.0 here" in text
+
+
+def test_the_real_backend_warms_every_engine_with_each_shape_before_a_system_runs(monkeypatch, tmp_path: Path):
+    from types import SimpleNamespace
+
+    from bench import backends
+
+    sent: list[tuple[str, int]] = []
+    monkeypatch.setattr(backends.VllmBackend, "_post",
+                        staticmethod(lambda url, body: sent.append((url, len(body["messages"][-1]["content"])))))
+    b = backends.VllmBackend(tmp_path)
+    b.engines = [SimpleNamespace(url="http://a"), SimpleNamespace(url="http://b")]
+    b.text_scale = 0.5
+    b._warm_up()
+    per_engine = backends.WARM_UP_ROUNDS * len(backends.WARM_UP_PROMPTS)
+    assert sorted({u for u, _ in sent}) == ["http://a", "http://b"] and len(sent) == 2 * per_engine
+    sizes = sorted({n for u, n in sent if u == "http://a"})
+    assert len(sizes) == len(backends.WARM_UP_PROMPTS)  # one body per shape, the longest a long prefill
