@@ -17,8 +17,9 @@ from bench.scenarios.base import MODEL
 from extproc.sim import SimConfig, start_sim
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = ("from bench.scenarios import get_scenarios; import json; from bench.capacity import LOAD_SCALE; "
-         "s = get_scenarios(['P3'])[0]; print(json.dumps({'scale': LOAD_SCALE, **s.derived_values}))")
+PROBE = ("from bench.scenarios import get_scenarios, px_prefix; import json; from bench.capacity import LOAD_SCALE; "
+         "s = get_scenarios(['P3'])[0]; print(json.dumps({'scale': LOAD_SCALE, **s.derived_values, "
+         "'px single': px_prefix.single_rate(True, 2) + px_prefix.SESSIONS * px_prefix.TURNS / 12.0}))")
 
 
 def _derived(rig_file: str | None) -> dict:
@@ -42,6 +43,7 @@ def test_a_rig_file_scales_every_scenario_load_and_nothing_else(tmp_path: Path) 
     plain, scaled = _derived(None), _derived(str(path))
     assert plain["scale"] == 1.0 and scaled["scale"] == 0.25
     assert scaled["short (req/s)"] == pytest.approx(0.25 * plain["short (req/s)"])
+    assert scaled["px single"] < 0.6 * plain["px single"]  # PX sizes its load on its own (floor: 0.5 req/s)
     assert scaled["long prompt"] == plain["long prompt"]  # sizes and SLOs follow the engine, not the machine
 
 
