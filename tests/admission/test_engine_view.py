@@ -210,7 +210,7 @@ def test_decode_time_is_the_pools_token_weighted_inter_token_latency():
 
 def test_a_non_streaming_answer_is_planned_at_the_learned_decode_time():
     p = placer(n=1)
-    p.decode_s = 0.006
+    p.decode_s, p.decode_measured = 0.006, True
     assert p.answer_decode_s(req(out=48, stream=False)) == pytest.approx(0.288)
     # a client giving up after 1.5 s: 75 % of it, less the answer's decode, is what its first token may take
     assert p.ttft_limit_s(req(out=48, stream=False, timeout=1.5), 0.0) == pytest.approx(1.125 - 0.288)
