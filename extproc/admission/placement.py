@@ -383,8 +383,9 @@ class Placer:
     def answer_decode_s(self, req: LLMRequest) -> float:
         """Decode time a non-streaming client waits for before its answer (a streaming one: 0):
 
-            max_tokens x decode seconds per token      once the engines have shown it (decode_time.py),
-            max_tokens x start value / BOUND           before: the fastest speed the measurement may later take
+            max_tokens x decode seconds per token      while the engines show it (decode_time.py `current`),
+            max_tokens x start value / BOUND           before, or once no window confirmed it for STALE_S:
+                                                       the fastest speed the measurement may take
 
         Before any measurement the configured start value is a guess, and a deadline judged on it cannot correct
         itself: a request refused decodes nothing, so nothing is learned. On engines 5x faster than the start
@@ -393,7 +394,7 @@ class Placer:
         (within a scrape), only what no engine within the bounds could answer in time is refused."""
         if req.stream:
             return 0.0
-        per_token = self.decode_s if self.decode_measured else self.decode_s / DECODE_BOUND
+        per_token = self.decode_s if self.decode_measured else self.policy.decode_s_per_token / DECODE_BOUND
         return req.max_output_tokens * per_token
 
     def _lane_replica_cap(self, share: float) -> int:
