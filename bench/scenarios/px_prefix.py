@@ -52,7 +52,7 @@ import functools
 import random
 from typing import Any
 
-from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, drive, slo_ttft_s
+from bench.capacity import BENCH_PRESET, LOAD_SCALE, EngineSpec, blocks_for_tokens, drive, slo_ttft_s
 from bench.openloop import Arrival, Ctx
 from bench.scenarios.base import (MODEL, Call, Metric, RunData, Scenario, Workload, pct, rnd, text_of,
                                   workload_rep, workload_rng)
@@ -161,9 +161,10 @@ def best_router_rps(replicas: int) -> float:
 
 
 def single_rate(quick: bool, replicas: int) -> float:
-    """Single-turn requests per second: LOAD x the best router's capacity, less the sessions' turns."""
+    """Single-turn requests per second: LOAD x the best router's capacity (x the machine's LOAD_SCALE, as
+    `capacity_rps` does for the other scenarios), less the sessions' turns."""
     session_rps = SESSIONS * TURNS / plan(quick)["duration"]
-    return max(0.5, LOAD * best_router_rps(replicas) - session_rps)
+    return max(0.5, LOAD * LOAD_SCALE * best_router_rps(replicas) - session_rps)
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,6 +16,11 @@ health's business):
 It is the pool's current speed at its current batch sizes, so it follows load; when the window holds too few
 tokens (an idle pool) the last measurement stands, and before any the configured value does. It stays within
 a factor BOUND of the configured value, so a bogus histogram cannot make every deadline look easy or impossible.
+
+A measurement older than STALE_S is not `current`: deadlines then plan with the fastest speed within the bounds
+(placement.py `answer_decode_s`). Refusals decode nothing, so a speed measured while the engines were slow would
+otherwise refuse every later request, and nothing would ever measure it again: real P5 measured ~50 ms per token
+while both engines ran at a third of their speed, and refused all 36 requests after they had recovered.
 """
 
 from __future__ import annotations
@@ -24,19 +29,25 @@ from extproc.routing.pool import HEALTHY, Replica
 
 MIN_INTERVALS = 20.0  # inter-token intervals the pool's windows must hold together to be a measurement
 BOUND = 10.0          # the learned value stays within [configured / BOUND, configured x BOUND]
+STALE_S = 2.0         # a measurement with no newer one for this long no longer decides deadlines
 
 
 class DecodeTime:
     """Per pool. `update` after every scrape round; `value` is the decode time per token to plan with."""
 
-    __slots__ = ("prior", "value", "learned")
+    __slots__ = ("prior", "value", "learned", "measured_at")
 
     def __init__(self, prior: float) -> None:
         self.prior = prior
         self.value = prior
         self.learned = False
+        self.measured_at = float("-inf")
 
-    def update(self, replicas: list[Replica]) -> float:
+    def current(self, now: float) -> bool:
+        """The engines showed their speed within the last STALE_S."""
+        return self.learned and now - self.measured_at <= STALE_S
+
+    def update(self, replicas: list[Replica], now: float = 0.0) -> float:
         """Take the new scrapes' inter-token latency; return the pool's decode seconds per token."""
         total_s = total_n = 0.0
         for r in replicas:
@@ -52,4 +63,5 @@ class DecodeTime:
             mean = total_s / total_n
             self.value = min(self.prior * BOUND, max(self.prior / BOUND, mean))
             self.learned = True
+            self.measured_at = now
         return self.value

@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from extproc.admission.decode_time import BOUND as DECODE_BOUND
 from extproc.admission.kv_growth import Growth, KvGrowth
 from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefix_affinity import PrefixAffinity
@@ -111,6 +112,7 @@ class Placer:
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
+        self.decode_measured = False  # decode_s comes from the engines, not the configured start value
         self.rate_prompt = 0.0  # mean prompt tokens `rate` was measured with (prefill_rate.py; 0: not measured)
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
@@ -461,9 +463,21 @@ class Placer:
         return limit
 
     def answer_decode_s(self, req: LLMRequest) -> float:
-        """Decode time a non-streaming client waits for before its answer (a streaming one: 0), at the engines'
-        learned time per token (decode_time.py)."""
-        return 0.0 if req.stream else req.max_output_tokens * self.decode_s
+        """Decode time a non-streaming client waits for before its answer (a streaming one: 0):
+
+            max_tokens x decode seconds per token      while the engines show it (decode_time.py `current`),
+            max_tokens x start value / BOUND           before, or once no window confirmed it for STALE_S:
+                                                       the fastest speed the measurement may take
+
+        Before any measurement the configured start value is a guess, and a deadline judged on it cannot correct
+        itself: a request refused decodes nothing, so nothing is learned. On engines 5x faster than the start
+        value (0.02 s per token), a client allowing 0.75 s for 48 tokens was refused at once, and so was every
+        other (real P5: 137 of 137 requests, deadline_unmeetable). Until the first answers teach the real speed
+        (within a scrape), only what no engine within the bounds could answer in time is refused."""
+        if req.stream:
+            return 0.0
+        per_token = self.decode_s if self.decode_measured else self.policy.decode_s_per_token / DECODE_BOUND
+        return req.max_output_tokens * per_token
 
     def _lane_replica_cap(self, share: float) -> int:
         if share >= 1:

@@ -197,7 +197,8 @@ class Scheduler:
         self.placer.rate = rate
         self.placer.rate_prompt = self.prefill.measured_prompt
         self.m.prefill_rate(rate)
-        self.placer.decode_s = self.decode.update(replicas)
+        self.placer.decode_s = self.decode.update(replicas, now)
+        self.placer.decode_measured = self.decode.current(now)
         self.seq_cap.update(replicas)
         if self.placer.prefix is not None:
             self.placer.prefix.on_scrape(replicas)

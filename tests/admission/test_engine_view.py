@@ -208,9 +208,30 @@ def test_decode_time_is_the_pools_token_weighted_inter_token_latency():
     assert d.update(rs) == pytest.approx(0.002)
 
 
+def test_a_decode_time_no_newer_window_confirms_stops_deciding_deadlines():
+    """Real P5: measured while both engines ran at a third of their speed, ~50 ms per token refused every
+    non-streaming request with a 0.75 s deadline, after the engines had recovered too: refusals decode nothing,
+    so no newer measurement came. After STALE_S without one, deadlines plan with the fastest speed within the
+    bounds again (placement.answer_decode_s), and the first answers measure the engines anew."""
+    from extproc.admission.decode_time import STALE_S
+
+    r = Replica(address="a:0", pool="m")
+    d = DecodeTime(0.02)
+    assert not d.current(0.0)  # nothing measured yet
+    scrape(r, 1.0, itl_s=0.05, itl_count_window=200)
+    d.update([r], 1.0)
+    assert d.current(1.0 + STALE_S) and d.value == pytest.approx(0.05)
+    scrape(r, 1.2, itl_s=0.0, itl_count_window=0)  # refused traffic: nothing decodes
+    d.update([r], 1.0 + STALE_S + 0.1)
+    assert not d.current(1.0 + STALE_S + 0.1)
+    p = placer(n=1)
+    p.decode_s, p.decode_measured = d.value, d.current(1.0 + STALE_S + 0.1)
+    assert p.answer_decode_s(req(out=48, stream=False)) == pytest.approx(48 * 0.02 / 10)
+
+
 def test_a_non_streaming_answer_is_planned_at_the_learned_decode_time():
     p = placer(n=1)
-    p.decode_s = 0.006
+    p.decode_s, p.decode_measured = 0.006, True
     assert p.answer_decode_s(req(out=48, stream=False)) == pytest.approx(0.288)
     # a client giving up after 1.5 s: 75 % of it, less the answer's decode, is what its first token may take
     assert p.ttft_limit_s(req(out=48, stream=False, timeout=1.5), 0.0) == pytest.approx(1.125 - 0.288)

@@ -276,3 +276,25 @@ async def test_a_replica_whose_first_token_would_come_after_the_client_left_is_n
     assert s.kick(1.1) == 1 and isinstance(late.future.result(), Placement)
     assert s.placer.ttft_limit_s(req(timeout=2.0), 0.0) == 1.5
     assert s.placer.ttft_limit_s(req(timeout=None), 0.0) == 5.0
+
+
+async def test_an_unmeasured_decode_speed_refuses_only_what_no_engine_within_its_bounds_could_answer():
+    """Real P5: engines 5x faster than the configured 0.02 s per token, a non-streaming client allowing 0.75 s for
+    48 tokens. Judged on the start value (0.96 s of decode) every request was refused deadline_unmeetable, so
+    nothing decoded and nothing was learned. Before a measurement the fastest speed within decode_time's bounds
+    counts; once the engines show their speed, it does."""
+    s = make(max_wait_s=0.0)
+    fast = LLMRequest(request_id="", endpoint="chat", model="m", stream=False, prompt_tokens=800,
+                      max_output_tokens=48, tenant="t", client_timeout_s=0.75)
+    assert isinstance(s.submit(fast, 0.0), Placement)
+    impossible = LLMRequest(request_id="", endpoint="chat", model="m", stream=False, prompt_tokens=800,
+                            max_output_tokens=2000, tenant="t", client_timeout_s=0.75)
+    with pytest.raises(Shed) as exc:  # 2,000 tokens at 2 ms each: no engine within the bounds answers in time
+        s.submit(impossible, 0.0)
+    assert exc.value.code == "deadline_unmeetable"
+    s.decode.learned, s.decode.value = True, 0.02  # the engines showed 0.02 s per token: the same client is late
+    s.placer.decode_s, s.placer.decode_measured = s.decode.value, s.decode.learned
+    with pytest.raises(Shed) as exc:
+        s.submit(LLMRequest(request_id="", endpoint="chat", model="m", stream=False, prompt_tokens=800,
+                            max_output_tokens=48, tenant="t", client_timeout_s=0.75), 0.0)
+    assert exc.value.code == "deadline_unmeetable"

@@ -4,7 +4,7 @@
 from pathlib import Path
 
 from bench.bars import real_bars
-from bench.real import BEGIN, END, comparison, merge, winner, write_docs
+from bench.real import BEGIN, END, comparison, merge, section, winner, write_docs
 
 
 def _run(sid: str, commit: str, rows: dict) -> dict:
@@ -63,3 +63,32 @@ def test_docs_section_is_replaced_between_its_markers(tmp_path: Path):
     write_docs(page, f"{BEGIN}\ntwo\n{END}")
     text = page.read_text()
     assert text.count(BEGIN) == 1 and "two" in text and "one" not in text and text.startswith("# B\n\nintro")
+
+
+def test_the_section_names_the_preset_and_the_machines_load_scale():
+    preset = {"preset": "/x/preset.json", "name": "tiny-cpu", "description": "fitted to vLLM 0.32.0 here",
+              "load_scale": 0.27}
+    a = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}})
+    a["_meta"]["preset"] = preset
+    merged = merge([a])
+    assert merged["_meta"]["preset"] == preset
+    text = section(merged, merged)
+    assert "scaled by 0.27" in text and "fitted to vLLM 0.32.0 here" in text
+
+
+def test_the_real_backend_warms_every_engine_with_each_shape_before_a_system_runs(monkeypatch, tmp_path: Path):
+    from types import SimpleNamespace
+
+    from bench import backends
+
+    sent: list[tuple[str, int]] = []
+    monkeypatch.setattr(backends.VllmBackend, "_post",
+                        staticmethod(lambda url, body: sent.append((url, len(body["messages"][-1]["content"])))))
+    b = backends.VllmBackend(tmp_path)
+    b.engines = [SimpleNamespace(url="http://a"), SimpleNamespace(url="http://b")]
+    b.text_scale = 0.5
+    b._warm_up()
+    per_engine = backends.WARM_UP_ROUNDS * len(backends.WARM_UP_PROMPTS)
+    assert sorted({u for u, _ in sent}) == ["http://a", "http://b"] and len(sent) == 2 * per_engine
+    sizes = sorted({n for u, n in sent if u == "http://a"})
+    assert len(sizes) == len(backends.WARM_UP_PROMPTS)  # one body per shape, the longest a long prefill
