@@ -23,7 +23,7 @@ from extproc.admission.scheduler import Scheduler
 from extproc.config import Policy
 from extproc import metrics as m
 from extproc.routing import metrics as rm
-from extproc.routing.capacity import tokens_per_s
+from extproc.routing.capacity import requests_per_s
 from extproc.routing.health import HealthTracker
 from extproc.routing.pool import Pool, Replica
 from extproc.routing.scrape import Scraper
@@ -203,7 +203,8 @@ class Fleet:
                 else:
                     r.note_shared(load.tokens, load.requests, load.growth, load.output)
 
-    def capacity_tokens_per_s(self, model: str) -> float:
-        """A pool's prompt-token throughput (routing/capacity.py), in the engines' tokens; 0 for an unknown pool."""
+    def capacity_rps(self, model: str, prompt: float) -> float:
+        """Requests/s a pool sustains at `prompt` estimated prompt tokens per request (routing/capacity.py); 0 for
+        an unknown pool."""
         pool = self.pools.get(model)
-        return 0.0 if pool is None else tokens_per_s(pool, self.admission.prefill_tokens_per_s)
+        return 0.0 if pool is None else requests_per_s(pool, prompt, self.admission.prefill_tokens_per_s)

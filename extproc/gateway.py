@@ -81,7 +81,7 @@ class Gateway:
     admission = property(lambda self: self.fleet.admission)
 
     def make_budgets(self, policy: Policy) -> Budgets:
-        return Budgets(policy.budgets, capacity_tokens_per_s=self.capacity_tokens_per_s,
+        return Budgets(policy.budgets, capacity_rps=self.capacity_rps,
                        sidecar_count_hint=policy.sidecar.workers, label_tenant=self._tenant_label)
 
     @staticmethod
@@ -103,10 +103,9 @@ class Gateway:
         receiver.listeners.append(self.fleet.on_outcome)
         self.inflight.attach(receiver)
 
-    def capacity_tokens_per_s(self, model: str) -> float:
-        """P10's capacity at cost, in the estimator's tokens: the detector counts estimated tokens, the engines
-        real ones, converted with the ratio observed responses showed."""
-        return self.fleet.capacity_tokens_per_s(model) / self.observed.estimate_ratio.get(model, 1.0)
+    def capacity_rps(self, model: str, prompt: float) -> float:
+        """P10's capacity at an app's prompt size, from the current fleet (routing/capacity.py)."""
+        return self.fleet.capacity_rps(model, prompt)
 
     def _tenant_label(self, tenant: str) -> str:
         """The bounded tenant label of the current identity policy (it is replaced on reload)."""

@@ -1,7 +1,7 @@
 """Budgets: the facade the server calls on the hot path (retry budget P5, task budgets P11, tenant tokens per minute,
 prompt cost shift P10).
 
-    budgets = Budgets(policy.budgets, capacity_tokens_per_s=fn, sidecar_count_hint=n)
+    budgets = Budgets(policy.budgets, capacity_rps=fn, sidecar_count_hint=n)
     await budgets.start()
     try:
         charge = await budgets.admit(req)          # raises BudgetExceeded: answer with e.status / e.headers()
@@ -104,7 +104,7 @@ class Budgets:
     """Every budget behind two calls: `admit` (check and charge) and `settle` (release and correct)."""
 
     def __init__(self, policy: BudgetPolicy | None = None,
-                 capacity_tokens_per_s: Callable[[str], float] | None = None,
+                 capacity_rps: Callable[[str, float], float] | None = None,
                  sidecar_count_hint: int = 1, label_tenant: Callable[[str], str] | None = None) -> None:
         self.policy = policy = policy or BudgetPolicy()
         if sidecar_count_hint < 1:
@@ -118,7 +118,7 @@ class Budgets:
         self.retry = RetryBudget(policy.retry)
         self.tasks = TaskBudget(policy.tasks)
         self.tenants = TenantBudget(policy.tenants, label=label_tenant)
-        self.prompt_shift = PromptShiftTracker(policy.prompt_shift, capacity_tokens_per_s)
+        self.prompt_shift = PromptShiftTracker(policy.prompt_shift, capacity_rps)
         self._tokens = itertools.count(1)
         self._token_prefix = os.urandom(6).hex() + "-"
         self._settle_errors = 0
@@ -145,7 +145,7 @@ class Budgets:
             now = time.time()
         op = self._admit_op(req, now)
         if op is None:
-            return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
+            return self._charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
         mem = self._memory
         res = mem.admit_sync(op) if mem is not None else await self.store.admit(op)
         if res.code == DUPLICATE and self.policy.retry.duplicate_wait_s > 0:
@@ -179,7 +179,7 @@ class Budgets:
             now = time.time()
         op = self._admit_op(req, now)
         if op is None:
-            return Charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
+            return self._charge(Charged(self._token_prefix), BACKEND_MEMORY, now, req, req.retry_count > 0)
         res = mem.admit_sync(op)
         if res.code == DUPLICATE and self.policy.retry.duplicate_wait_s > 0:
             raise OriginalInFlight(op, res)
@@ -207,7 +207,12 @@ class Budgets:
             raise self.tenants.rejection(req, res)
         if res.is_retry:
             self.retry.admitted(req, True)
-        return Charge(op.charged(), res.backend, op.now, req, res.is_retry)
+        return self._charge(op.charged(), res.backend, op.now, req, res.is_retry)
+
+    def _charge(self, charged: Charged, backend: str, now: float, req: LLMRequest, is_retry: bool) -> Charge:
+        """The admitted request's Charge; its estimated prompt sizes the app's capacity gauge (prompt_shift.py)."""
+        self.prompt_shift.admitted(req.app, req.model, req.prompt_tokens)
+        return Charge(charged, backend, now, req, is_retry)
 
     # ------------------------------------------------------------------------------------------------ settle
     async def settle(self, charge: Charge | None, *, completed: bool, prompt_tokens: int | None = None,

@@ -41,8 +41,8 @@ PROMPT_BASELINE = Gauge("sluice_prompt_cost_baseline_tokens_per_request",
 PROMPT_SHIFT_EVENTS = Counter("sluice_prompt_shift_events_total", "Sustained prompt cost shifts detected, per app.",
                               ["app"])
 PROMPT_CAPACITY = Gauge("sluice_prompt_capacity_requests_per_second",
-                        "The pool's capacity for this app at its recent cost per request: pool token throughput / "
-                        "tokens per request (P10: what a prompt change costs).", ["app"])
+                        "Requests/s the pool sustains at this app's recently admitted prompt size: its prefill "
+                        "throughput while saturated / prompt tokens (P10: what a prompt change costs).", ["app"])
 PROMPT_SHIFT_RATIO = Gauge("sluice_prompt_shift_ratio", "Recent cost per request over the baseline, per app.", ["app"])
 
 

@@ -15,8 +15,18 @@ known completions). Per request, O(K) with K = sustain_requests (a small constan
   ONE event: metric `sluice_prompt_shift_events_total{app}` and one structured log record (logger
   `sluice.budgets.prompt_shift`, `extra={"event": "prompt_shift", ...}`) with the app, old and new MEAN
   tokens/request (prompt and completion too), the old and new fingerprint, and the pool capacity in requests/s at
-  both costs = capacity_tokens_per_s(model) / cost. Old mean = EWMA of costs as they leave the recent window while
-  stable; new mean = mean of the last K requests. The baseline then moves to the new level.
+  both prompt sizes = capacity_rps(model, prompt tokens) (routing/capacity.py). Old mean = EWMA of costs as they leave the
+  recent window while stable; new mean = mean of the last K requests. The baseline then moves to the new level.
+
+The capacity gauge `sluice_prompt_capacity_requests_per_second{app}` is read when Prometheus scrapes:
+
+  capacity = capacity_rps(model, the mean estimated prompt of the app's last K ADMITTED requests)
+
+capacity_rps divides the pool's prefill throughput at saturation, measured in estimated prompt tokens/s
+(routing/capacity.py), by that prompt: estimates on both sides. Admitted, not completed: after a prompt
+change the new requests take seconds to complete, or none completes while the pool is overloaded by them (P10:
+no request of the new prompt completed in the 7 s after the change), and a gauge fed by completions kept the old
+prompt's capacity.
 
 State is bounded: at most `max_apps` apps (later apps collapse into `other`, which is tracked but never alerts)
 and `max_fingerprints_per_app` fingerprints per app (least recently seen evicted).
@@ -51,15 +61,12 @@ class _Fingerprint:
         self.last_seen = 0.0
 
 
-CAPACITY_EVERY = 4  # refresh the capacity gauge every N requests per app (it sums over replicas)
-
-
 class _App:
     __slots__ = ("name", "model", "requests", "warm_n", "warm_prompt", "warm_completion",
                  "baseline", "base_prompt", "base_completion", "base_med", "warm_med", "warm_med_n",
                  "completion_mean", "completion_known",
                  "ring_p", "ring_c", "ring_f", "pos", "filled", "sum_p", "sum_c", "over", "run_fps", "stable_fp",
-                 "fps", "events", "last_event", "ratio",
+                 "fps", "events", "last_event", "ratio", "adm_prompt", "adm_pos", "adm_n", "adm_sum",
                  "g_total", "g_prompt", "g_completion", "g_base", "g_ratio", "c_events", "g_capacity")
 
     def __init__(self, name: str, k: int) -> None:
@@ -91,6 +98,10 @@ class _App:
         self.events = 0
         self.last_event: dict[str, Any] | None = None
         self.ratio = 1.0
+        self.adm_prompt = [0.0] * k  # estimated prompts of the last k admitted requests (ring), and their sum
+        self.adm_pos = 0
+        self.adm_n = 0
+        self.adm_sum = 0.0
         # The recent means, baseline and ratio are read when Prometheus scrapes, not set per request.
         self.g_total = metrics.PROMPT_COST.labels(name, "total")
         self.g_total.set_function(lambda: self.mean(self.sum_p + self.sum_c))
@@ -109,18 +120,30 @@ class _App:
         """`total` over the requests in the recent window (0 before the first)."""
         return total / self.filled if self.filled else 0.0
 
+    def admit(self, prompt: float) -> None:
+        """One admitted request's estimated prompt into the ring of the last k."""
+        i = self.adm_pos
+        self.adm_sum += prompt - (self.adm_prompt[i] if self.adm_n == len(self.adm_prompt) else 0.0)
+        self.adm_prompt[i] = prompt
+        self.adm_pos = (i + 1) % len(self.adm_prompt)
+        self.adm_n = min(self.adm_n + 1, len(self.adm_prompt))
+
+    def admitted_prompt(self) -> float:
+        """Mean estimated prompt of the last k admitted requests (0 before the first)."""
+        return self.adm_sum / self.adm_n if self.adm_n else 0.0
+
 
 class PromptShiftTracker:
     """Feed `observe()` once per completed request; read `snapshot()` for the admin API.
 
-    `capacity_tokens_per_s(model) -> tokens/s` is the pool's token throughput, supplied by the server; when it is
-    None or fails, capacities are reported as None.
+    `capacity_rps(model, prompt) -> requests/s` is what the pool sustains at that prompt size, supplied by the
+    server; when it is None or fails, capacities are reported as None.
     """
 
     def __init__(self, policy: PromptShiftPolicy | None = None,
-                 capacity_tokens_per_s: Callable[[str], float] | None = None) -> None:
+                 capacity_rps: Callable[[str, float], float] | None = None) -> None:
         self.policy = policy or PromptShiftPolicy()
-        self.capacity_tokens_per_s = capacity_tokens_per_s
+        self.capacity_rps = capacity_rps
         self._k = self.policy.sustain_requests
         self._alpha = 1.0 / self.policy.baseline_requests
         self._apps: dict[str, _App] = {}
@@ -135,7 +158,21 @@ class PromptShiftTracker:
                 st = self._apps.get(OTHER)
             if st is None:
                 st = self._apps[name] = _App(name, self._k)
+                st.g_capacity.set_function(lambda st=st: self.admitted_capacity(st.name) or 0.0)
         return st
+
+    def admitted(self, app: str, model: str, prompt_tokens: int) -> None:
+        """Account one admitted request (its estimated prompt): the capacity gauge's prompt size."""
+        if not self.policy.enabled:
+            return
+        st = self._app(app)
+        st.model = model
+        st.admit(float(prompt_tokens))
+
+    def admitted_capacity(self, app: str) -> float | None:
+        """Requests/s the pool sustains at the app's recently admitted prompt size (None: unknown)."""
+        st = self._apps.get(app)
+        return None if st is None else self._capacity(st.model, st.admitted_prompt())
 
     def observe(self, app: str, model: str, prefix_key: int, prompt_tokens: int,
                 completion_tokens: int | None, now: float | None = None) -> dict[str, Any] | None:
@@ -172,10 +209,6 @@ class PromptShiftTracker:
             st.sum_c += completion
         n = st.filled
         mean = (st.sum_p + st.sum_c) / n
-        if st.requests % CAPACITY_EVERY == 0:
-            capacity = self._capacity(model, mean)
-            if capacity is not None:
-                st.g_capacity.set(capacity)
         costs = sorted([st.ring_p[j] + st.ring_c[j] for j in range(n)])
         med = costs[n // 2] if n % 2 else (costs[n // 2 - 1] + costs[n // 2]) / 2
         if st.baseline is None:  # warming up
@@ -226,28 +259,22 @@ class PromptShiftTracker:
         f.mean_completion += (completion - f.mean_completion) / span
         f.last_seen = time.time() if now is None else now
 
-    def _capacity(self, model: str, cost: float) -> float | None:
-        """Requests/s the pool sustains at `cost` tokens per request."""
-        fn = self.capacity_tokens_per_s
-        if fn is None or cost <= 0:
+    def _capacity(self, model: str, prompt: float) -> float | None:
+        """Requests/s the pool sustains at `prompt` tokens per request: capacity_rps(model, prompt)."""
+        fn = self.capacity_rps
+        if fn is None or prompt <= 0:
             return None
         try:
-            cap = float(fn(model))
+            cap = float(fn(model, prompt))
         except Exception:  # the integrator's callable must not break settle
-            log.debug("capacity_tokens_per_s(%r) failed", model, exc_info=True)
+            log.debug("capacity_rps(%r) failed", model, exc_info=True)
             return None
-        return cap / cost if cap > 0 else None
+        return cap if cap > 0 else None
 
     def _emit(self, st: _App, recent: float, med: float, now: float | None) -> dict[str, Any]:
         k = st.filled
         old = st.baseline or 0.0
         new_fp = max(st.run_fps.items(), key=lambda kv: kv[1])[0]
-        cap_tps = None
-        if self.capacity_tokens_per_s is not None:
-            try:
-                cap_tps = float(self.capacity_tokens_per_s(st.model))
-            except Exception:
-                cap_tps = None
         event = {
             "event": "prompt_shift",
             "app": st.name,
@@ -262,9 +289,8 @@ class PromptShiftTracker:
             "median_ratio": round(st.ratio, 3),
             "old_fingerprint": fingerprint_hex(st.stable_fp) if st.stable_fp is not None else None,
             "new_fingerprint": fingerprint_hex(new_fp),
-            "capacity_tokens_per_s": cap_tps,
-            "old_capacity_rps": self._capacity(st.model, old),
-            "new_capacity_rps": self._capacity(st.model, recent),
+            "old_capacity_rps": self._capacity(st.model, st.base_prompt),
+            "new_capacity_rps": self._capacity(st.model, st.sum_p / k),
             "at": time.time() if now is None else now,
         }
         st.events += 1
@@ -307,7 +333,7 @@ class PromptShiftTracker:
                 "shifting": st.over > 0,
                 "shift_events": st.events,
                 "last_event": st.last_event,
-                "capacity_rps": None if recent is None else self._capacity(st.model, recent),
+                "capacity_rps": self._capacity(st.model, st.admitted_prompt()),
                 "fingerprints": [
                     {"fingerprint": fingerprint_hex(fp), "requests": f.requests,
                      "mean_prompt_tokens": round(f.mean_prompt, 1),

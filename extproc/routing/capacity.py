@@ -1,12 +1,18 @@
-"""A pool's token throughput, for P10's capacity-at-cost report (budgets/prompt_shift.py: how many requests per
-second the pool serves at an app's old and new cost per request).
+"""What a pool sustains at saturation, for P10's capacity-at-cost report (budgets/prompt_shift.py: how many
+requests per second the pool serves at an app's prompt size).
 
-    capacity = sum over routable replicas of (its busy prompt rate, else the policy's prefill rate)
+    an app's capacity (requests/s) = sum over routable replicas of rate / the app's mean estimated prompt
 
-A replica's busy prompt rate is the prompt-token rate (over the scrape window) its engine showed the last time
-it was busy, recorded at each scrape (`Replica.on_scrape`); reading the capacity changes nothing. The last busy
-rate, not the peak: prefill per token slows as prompts grow, and the report is about the prompts now being sent.
-Prefill dominates a long prompt's cost (and completions are mostly unobserved), hence prompt tokens.
+A replica's `rate` is its engine's prefill throughput while it had a queue (saturation.py `SaturatedRate`), in
+the (calibrated) prompt tokens this sidecar estimated for the requests it had in flight there: the same units as
+the app's prompt it divides, so the estimator's error cancels. Until the engine has been seen saturated, the rate it showed while
+busy stands in (`Replica.busy_prompt_tps`: the offered load, a lower bound), else the policy's prefill rate.
+The decode that rode along with the prefills while measuring is in the rate; reading the capacity changes nothing.
+
+What it does not see: an engine whose KV cache is overcommitted preempts and recomputes prefills. P10's tiny-cpu
+replica, saturated with 400 queued 5,504-token prompts of 48-token outputs, prefills 0.699 requests/s when its KV
+has room (0.694 with 8x the KV) but sustains 0.586 with its 512 blocks (30 preemptions per 40 requests; the
+simulator's cost model, bench/capacity.py): the estimate is the prefill-bound rate, up to ~19 % above that.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 from extproc.routing.pool import Pool
 
 
-def tokens_per_s(pool: Pool, default_rate: float) -> float:
-    """The pool's prompt tokens per second, in the engines' own tokens."""
-    return sum(r.busy_prompt_tps or default_rate for r in pool.replicas if r.routable)
+def requests_per_s(pool: Pool, prompt: float, default_rate: float) -> float:
+    """The pool's requests/s at `prompt` estimated prompt tokens per request: sum of rate / prompt (module
+    docstring) over its routable replicas."""
+    if prompt <= 0:
+        return 0.0
+    return sum(r.saturated.rate or r.busy_prompt_tps or default_rate for r in pool.replicas if r.routable) / prompt

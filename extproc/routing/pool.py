@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from extproc.config import PoolConfig
+from extproc.routing.saturation import SaturatedRate
 
 # Health states (see health.py for the transitions).
 HEALTHY, DEGRADED, EJECTED, RECOVERING = "healthy", "degraded", "ejected", "recovering"
@@ -102,7 +103,9 @@ class Replica:
     tenant_prefill_until: dict[str, float] = field(default_factory=dict)
     served_total: int = 0
     errors_total: int = 0
-    busy_prompt_tps: float = 0.0        # prompt tokens/s its engine showed the last time it was busy (capacity.py)
+    busy_prompt_tps: float = 0.0        # prompt tokens/s its engine showed the last time it was busy (capacity.py:
+                                        # the offered load, a lower bound until `saturated` has measured)
+    saturated: SaturatedRate = field(default_factory=SaturatedRate)  # prefill throughput with a queue (saturation.py)
     # engine state and health
     engine: EngineState = field(default_factory=EngineState)
     state: str = HEALTHY
@@ -243,6 +246,8 @@ class Replica:
             self.kv_block_tokens = engine.kv_block_tokens
         if engine.running + engine.waiting > 0 and engine.prompt_tps > 0:
             self.busy_prompt_tps = engine.prompt_tps
+        self.saturated.observe(engine, self.inflight_prompt_tokens / self.inflight_requests
+                               if self.inflight_requests > 0 else 0.0)
 
     @property
     def routable(self) -> bool:

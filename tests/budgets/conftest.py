@@ -117,7 +117,7 @@ async def make_budgets(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     url = request.getfixturevalue("redis_server").url if kind == "redis" else None
 
     async def make(capacity: Any = None, **sections: Any) -> Budgets:
-        b = Budgets(policy(kind, url, prefix, **sections), capacity_tokens_per_s=capacity)
+        b = Budgets(policy(kind, url, prefix, **sections), capacity_rps=capacity)
         await b.start()
         made.append(b)
         return b

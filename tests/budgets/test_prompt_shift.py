@@ -16,8 +16,9 @@ from .conftest import req
 FP_OLD, FP_NEW = 0x1234ABCD, 0x0BADF00D
 
 
-def cap(model: str) -> float:
-    return {"llama": 10000.0}.get(model, 0.0)
+def cap(model: str, prompt: float) -> float:
+    """A pool of 10,000 prompt tokens/s, prefill-bound."""
+    return {"llama": 10000.0}.get(model, 0.0) / prompt
 
 
 def test_shift_detected_once_with_numbers(caplog: pytest.LogCaptureFixture) -> None:
@@ -34,7 +35,8 @@ def test_shift_detected_once_with_numbers(caplog: pytest.LogCaptureFixture) -> N
     assert e["old_tokens_per_request"] == 2500.0 and e["new_tokens_per_request"] == 29000.0
     assert e["old_prompt_tokens"] == 2000.0 and e["new_completion_tokens"] == 4000.0
     assert e["old_fingerprint"] == "1234abcd" and e["new_fingerprint"] == "0badf00d"
-    assert e["old_capacity_rps"] == pytest.approx(4.0) and e["new_capacity_rps"] == pytest.approx(10000 / 29000)
+    # capacity at each prompt size: the pool's prompt tokens/s over prompt tokens per request
+    assert e["old_capacity_rps"] == pytest.approx(5.0) and e["new_capacity_rps"] == pytest.approx(10000 / 25000)
     assert REGISTRY.get_sample_value("sluice_prompt_shift_events_total", {"app": "agent-x"}) - before == 1
     recs = [r for r in caplog.records if getattr(r, "event", None) == "prompt_shift"]
     assert len(recs) == 1
@@ -108,5 +110,32 @@ async def test_budgets_settle_feeds_completed_requests_only() -> None:
         await b.settle(c, completed=True, prompt_tokens=None, completion_tokens=None)
     s = {x["app"]: x for x in b.snapshot()["prompt_shift"]}["rag"]
     assert s["shift_events"] == 1 and s["last_event"]["new_tokens_per_request"] == 12500.0
-    assert s["last_event"]["new_capacity_rps"] == pytest.approx(0.8)
+    assert s["last_event"]["new_capacity_rps"] == pytest.approx(10000 / 12000)
+    await b.close()
+
+
+@pytest.mark.asyncio
+async def test_capacity_gauge_follows_the_admitted_requests_before_any_completes() -> None:
+    """P10: after the prompt change no request of the new prompt completed for 7 s (the pool was overloaded by
+    them); a gauge fed by completions kept the old prompt's capacity (2.08 requests/s against a true 1.17)."""
+    sizes: list[float] = []
+
+    def capacity(model: str, prompt: float) -> float:
+        sizes.append(prompt)
+        return 10000.0 / prompt
+
+    b = Budgets(parse_section("budgets", {"prompt_shift": {"baseline_requests": 3, "sustain_requests": 5}}), capacity)
+    await b.start()
+    for _ in range(8):
+        c = await b.admit(req(1000, 48, model="llama", app="p10"))
+        await b.settle(c, completed=True, prompt_tokens=1000, completion_tokens=48)
+    gauge = {"app": "p10"}
+    assert REGISTRY.get_sample_value("sluice_prompt_capacity_requests_per_second", gauge) == pytest.approx(10.0)
+    for _ in range(5):  # the new prompt: admitted, none completed yet
+        await b.admit(req(5500, 48, model="llama", app="p10"))
+    assert REGISTRY.get_sample_value("sluice_prompt_capacity_requests_per_second", gauge) == pytest.approx(
+        10000 / 5500)
+    assert sizes[-1] == 5500.0
+    s = {x["app"]: x for x in b.snapshot()["prompt_shift"]}["p10"]
+    assert s["capacity_rps"] == pytest.approx(10000 / 5500)
     await b.close()
