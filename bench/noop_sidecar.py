@@ -5,8 +5,8 @@ servicer decides nothing: it answers the request headers with a prebuilt "contin
 prebuilt answer pinning the pool's first replica (the same protobuf shape as the sidecar's forward answer), and
 ends the stream; the access-log stream is read and dropped. The sidecar's CPU per request minus this one's is
 what sluice's own code costs; this one's is grpc.aio's (and Python's) per-stream work for two messages each way.
-Run it in place of `sluice serve` (a Stack's `sidecar_wrapper` swapping `extproc.cli` for `bench.noop_sidecar`) beside
-the real sidecar, each behind its own Envoy rendered the same way, and compare them in one session.
+Run it in place of `sluice serve` beside the real sidecar, each behind its own Envoy rendered the same way, and
+compare them in one session: `python -m bench.hop_ab base= noop=:bench.noop_sidecar`.
 """
 
 from __future__ import annotations
