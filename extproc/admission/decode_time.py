@@ -20,7 +20,7 @@ a factor BOUND of the configured value, so a bogus histogram cannot make every d
 A measurement older than STALE_S is not `current`: deadlines then plan with the fastest speed within the bounds
 (placement.py `answer_decode_s`). Refusals decode nothing, so a speed measured while the engines were slow would
 otherwise refuse every later request, and nothing would ever measure it again: real P5 measured ~50 ms per token
-while both engines ran at a third of their speed, and refused all 36 requests after they had recovered.
+while both engines ran at a third of their speed, and refused 32 of the 36 requests after they had recovered.
 """
 
 from __future__ import annotations
