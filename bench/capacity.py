@@ -212,5 +212,6 @@ def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> flo
     return 1.0 / seconds
 
 
-__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "engine_capacity_rps", "LOAD_SCALE", "mix_capacity_rps", "latency_alone_s", "pool_rps",
-           "decode_tok_s", "kv_tokens", "blocks_for_tokens", "prompt_for_ttft", "slo_ttft_s", "nice_up"]
+__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "engine_capacity_rps", "LOAD_SCALE",
+           "mix_capacity_rps", "latency_alone_s", "pool_rps", "decode_tok_s", "kv_tokens", "blocks_for_tokens",
+           "prompt_for_ttft", "slo_ttft_s", "nice_up"]
