@@ -42,7 +42,7 @@ SATURATION = 400  # requests queued at once to measure a saturated engine
 SLO_SCALE = 5.0   # a user's TTFT SLO = this x the request's latency on an idle replica ...
 SLO_FLOOR_S = 0.5  # ... and never under this
 NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)  # x 10^k: the numbers users write SLOs in
-REAL_MAX_MODEL_LEN = 8192  # the real vLLM-CPU engine's context (bench/vllm_cpu.py MAX_POSITIONS)
+REAL_MAX_MODEL_LEN = 16384  # the real vLLM-CPU engine's context (bench/vllm_cpu.py MAX_POSITIONS)
 # The preset every scenario derives its workload from, and the one its simulated replicas run: `tiny-cpu`, or a
 # preset file that `python -m bench.vllm_cpu calibrate --write-preset FILE` fitted to the engines of the machine
 # at hand (`make bench-real` does, so a scenario's load, prompt sizes and SLO mean the same on a faster or slower

@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.filler import FILLER_WORDS
+
 __all__ = [
     "REPO", "VENV", "MODEL_DIR", "VLLM_VERSION", "SERVED_MODEL", "EngineSpec", "Engine", "DutyCycle",
     "VllmMissing", "install", "installed", "build_model", "ensure_ready", "start_engines", "stop_engines",
@@ -53,7 +55,10 @@ CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 # The model (shared/VLLM-CPU.md): CPU attention needs head_dim in {32, 64, 80, 96, 112, 128}.
 VOCAB = 8192
-MAX_POSITIONS = 8192
+# 16,384 positions: P3's long prompt is the one whose prefill alone takes 2 s (bench/capacity.py
+# `prompt_for_ttft`), 16,300 tokens on an AVX-512 BF16 CPU; at 8,192 it was capped at a quarter of that (0.5 s),
+# and head-of-line blocking did not reproduce on the real engines (envoy-rr hol_slowdown 2.46).
+MAX_POSITIONS = 16384
 MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -155,8 +160,8 @@ def install() -> Path:
 # ---- model ----------------------------------------------------------------------------------------
 
 def _model_stamp() -> str:
-    return json.dumps({"config": MODEL_CONFIG, "special": SPECIAL_TOKENS, "template": CHAT_TEMPLATE},
-                      sort_keys=True)
+    return json.dumps({"config": MODEL_CONFIG, "special": SPECIAL_TOKENS, "template": CHAT_TEMPLATE,
+                       "filler": FILLER_WORDS}, sort_keys=True)
 
 
 def model_ready(model_dir: Path = MODEL_DIR) -> bool:
@@ -175,9 +180,10 @@ def build_model(model_dir: Path = MODEL_DIR) -> Path:
 
 
 def _training_text() -> list[str]:
-    """Local text for the BPE: the repository's own prose and code (no download)."""
+    """Local text for the BPE: the repository's own prose and code (no download), and the harness's filler words
+    often enough that each becomes one token (bench/filler.py), as a common word is in a real tokenizer."""
     files = sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"] + sorted(REPO.glob("extproc/**/*.py"))
-    return [p.read_text(errors="replace") for p in files if p.is_file()]
+    return [p.read_text(errors="replace") for p in files if p.is_file()] + [" ".join(FILLER_WORDS * 500)]
 
 
 def _write_model(model_dir: Path) -> None:
@@ -475,7 +481,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 CALIBRATION_JSON = REPO / "bench" / "results" / "calibration-vllm-cpu.json"
-SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens: >= max_model_len, small enough to preempt 8 streams (any dtype)
+SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens, small enough to preempt 8 streams (any dtype); the small engine's
+                      # context is what they hold (vLLM refuses to start with less KV than one context)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -488,13 +495,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     pa, pb = free_ports(2)
     main_spec = EngineSpec(port=pa, cpu="0", kv_bytes=args.kv)
-    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv,
+    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv, max_model_len=SMALL_KV_BLOCKS * 128,
                             extra_args=("--num-gpu-blocks-override", str(SMALL_KV_BLOCKS)))
     engines = start_engines([main_spec, small_spec], Path(args.log_dir))
     command = (f"python -m bench.vllm_cpu calibrate --kv {args.kv}: vllm serve (tiny-llama, --dtype {main_spec.dtype}, "
                f"--max-num-seqs {main_spec.max_num_seqs}, --max-model-len {main_spec.max_model_len}, --enforce-eager, "
                f"--load-format dummy), engine A core 0 --kv-cache-memory-bytes {args.kv}, engine B core 1 "
-               f"--num-gpu-blocks-override {SMALL_KV_BLOCKS}")
+               f"--num-gpu-blocks-override {SMALL_KV_BLOCKS} --max-model-len {small_spec.max_model_len}")
     try:
         return calibrate_main(["--against", engines[0].url, "--preempt-url", engines[1].url,
                                "--max-num-seqs", str(main_spec.max_num_seqs), "--max-model-len",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from bench.capacity import BENCH_PRESET
+from bench.filler import FILLER_WORDS
 from bench.openloop import Arrival, ClientSpec, Record
 
 MODEL = "sim-model"
@@ -257,9 +258,7 @@ def rnd(value: float | None, digits: int = 3) -> float | None:
 
 
 # ---- workload helpers ----------------------------------------------------------------------------------------
-# Words of at most six letters: the simulator's tokenizer counts each as one token.
-_WORDS = ("alpha bravo delta echo golf hotel india juliet kilo lima mike oscar papa quebec romeo sierra tango "
-          "victor xray yankee zulu").split()
+_WORDS = FILLER_WORDS  # one token each on the simulator and on the real engines (bench/filler.py)
 
 
 _TEXT_SCALE = [1.0]  # words per token of the replicas' tokenizer (1 for the simulator's)

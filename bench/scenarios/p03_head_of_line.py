@@ -4,10 +4,10 @@ Workload (2 replicas, tiny-cpu, time_scale 1): short chat requests (B/C/D: 500, 
 16 output tokens) arrive as a seeded Poisson stream at 0.2 x the pool's capacity for them (`2 x
 capacity_rps(767, 16)`, bench/capacity.py: 7 requests/s at the calibrated tiny-cpu) for the whole run; a long
 request A arrives every `LONG_PERIOD` = 1.75 x its prefill time. A is the longest prompt whose prefill alone
-takes at most 2 s (`prompt_for_ttft(2.0)`: 6,500 tokens at the calibrated preset, under the real engine's
-8,192-token context; the document's 100K scaled to the tiny model), 8 output tokens. The engine schedules
-running requests first, so while A's chunks fill each step's token budget (2,048) the short requests queued
-behind it on the same replica get nothing. Prompts are unique (no shared prefix).
+takes at most 2 s (`prompt_for_ttft(2.0)`: 6,500 tokens at the calibrated preset, 16,300 on an AVX-512 BF16
+CPU, under the real engine's 16,384-token context; the document's 100K scaled to the tiny model), 8 output
+tokens. The engine schedules running requests first, so while A's chunks fill each step's token budget (2,048)
+the short requests queued behind it on the same replica get nothing. Prompts are unique (no shared prefix).
 
 SLO: the first token within `slo_ttft_s(ttft_alone(1,000))` (5x the TTFT of the largest short request on an
 idle replica, at least 0.5 s, rounded up: 0.5 s at the calibrated preset) of the user's first send (retries

@@ -251,3 +251,21 @@ def test_duty_cycle_stops_and_resumes_the_engine(stack: tuple[Stack, Engine]) ->
                                           messages=[{"role": "user", "content": "still there?"}],
                                           extra_body={"ignore_eos": True})
     assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+def test_the_harness_prompts_are_as_long_on_the_real_engine_as_on_the_simulator(stack: tuple[Stack, Engine]) -> None:
+    """The tiny model's tokenizer makes one token of each filler word (bench/filler.py), as the simulator does, and
+    its context holds P3's long prompt (16,384 positions): a scenario's N-token prompt is about N tokens here too,
+    before any words-per-token scaling (trained on the repository's text alone, the tokenizer made about 2.6 of
+    each, and a 16,000-token prompt did not fit)."""
+    from bench.scenarios.base import chat, set_text_scale
+
+    _s, e = stack
+    set_text_scale(1.0)
+    for n, timeout in ((2000, 60), (16000, 180)):
+        body = dict(chat(n, 1, salt=n, stream=False), model=SERVED_MODEL)
+        req = urllib.request.Request(e.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            used = json.loads(resp.read())["usage"]["prompt_tokens"]
+        assert n <= used <= 1.05 * n, (n, used)
