@@ -481,8 +481,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 CALIBRATION_JSON = REPO / "bench" / "results" / "calibration-vllm-cpu.json"
-SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens, small enough to preempt 8 streams (any dtype); the small engine's
-                      # context is what they hold (vLLM refuses to start with less KV than one context)
+SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens, small enough to preempt 8 streams (any dtype)
+SMALL_CONTEXT = 8192  # the small engine's context: vLLM starts only when its KV holds one (here at most 10,112)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -495,7 +495,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     pa, pb = free_ports(2)
     main_spec = EngineSpec(port=pa, cpu="0", kv_bytes=args.kv)
-    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv, max_model_len=SMALL_KV_BLOCKS * 128,
+    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv, max_model_len=SMALL_CONTEXT,
                             extra_args=("--num-gpu-blocks-override", str(SMALL_KV_BLOCKS)))
     engines = start_engines([main_spec, small_spec], Path(args.log_dir))
     command = (f"python -m bench.vllm_cpu calibrate --kv {args.kv}: vllm serve (tiny-llama, --dtype {main_spec.dtype}, "
