@@ -172,9 +172,11 @@ class VllmBackend:
 
         self.close()
         extra: list[str] = ["--served-model-name", MODEL]
+        kw: dict[str, Any] = {}
         if blocks:
             extra += ["--num-gpu-blocks-override", str(blocks)]
-        kw: dict[str, Any] = {"extra_args": tuple(extra)}
+            kw["max_model_len"] = self.vc.context_for_blocks(blocks)  # P9's 97 blocks hold less than the model's
+        kw["extra_args"] = tuple(extra)
         if seqs:
             kw["max_num_seqs"] = seqs
         specs = self.vc.engine_specs(free_ports(self.pool_size), **kw)

@@ -42,6 +42,7 @@ from bench.filler import FILLER_WORDS
 __all__ = [
     "REPO", "VENV", "MODEL_DIR", "VLLM_VERSION", "SERVED_MODEL", "EngineSpec", "Engine", "DutyCycle",
     "VllmMissing", "install", "installed", "build_model", "ensure_ready", "start_engines", "stop_engines",
+    "context_for_blocks",
     "missing_message",
 ]
 
@@ -377,6 +378,15 @@ def stop_engines(engines: list[Engine]) -> None:
         e.stop()
 
 
+KV_BLOCK_TOKENS = 128  # vLLM-CPU's KV block size
+
+
+def context_for_blocks(blocks: int) -> int:
+    """The longest context an engine with `blocks` KV blocks starts with, at most the model's positions: vLLM
+    refuses a context its KV cannot hold whole, and keeps one block back (80 blocks: at most 10,112 = 79 x 128)."""
+    return min(MAX_POSITIONS, (blocks - 1) * KV_BLOCK_TOKENS)
+
+
 def engine_specs(ports: list[int], kv_bytes: str = "256M", cpus: list[str] | None = None,
                  **kw: object) -> list[EngineSpec]:
     """One spec per port, the i-th bound to core i (mod the cores), as the benchmarks run two engines."""
@@ -482,7 +492,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 CALIBRATION_JSON = REPO / "bench" / "results" / "calibration-vllm-cpu.json"
 SMALL_KV_BLOCKS = 80  # 80 blocks of 128 tokens, small enough to preempt 8 streams (any dtype)
-SMALL_CONTEXT = 8192  # the small engine's context: vLLM starts only when its KV holds one (here at most 10,112)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -495,7 +504,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     pa, pb = free_ports(2)
     main_spec = EngineSpec(port=pa, cpu="0", kv_bytes=args.kv)
-    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv, max_model_len=SMALL_CONTEXT,
+    small_spec = EngineSpec(port=pb, cpu="1", kv_bytes=args.kv, max_model_len=context_for_blocks(SMALL_KV_BLOCKS),
                             extra_args=("--num-gpu-blocks-override", str(SMALL_KV_BLOCKS)))
     engines = start_engines([main_spec, small_spec], Path(args.log_dir))
     command = (f"python -m bench.vllm_cpu calibrate --kv {args.kv}: vllm serve (tiny-llama, --dtype {main_spec.dtype}, "

@@ -92,3 +92,21 @@ def test_the_real_backend_warms_every_engine_with_each_shape_before_a_system_run
     assert sorted({u for u, _ in sent}) == ["http://a", "http://b"] and len(sent) == 2 * per_engine
     sizes = sorted({n for u, n in sent if u == "http://a"})
     assert len(sizes) == len(backends.WARM_UP_PROMPTS)  # one body per shape, the longest a long prefill
+
+
+def test_an_engine_with_a_scenarios_small_kv_serves_the_context_its_blocks_hold(monkeypatch, tmp_path: Path):
+    """vLLM refuses to start when its KV cannot hold one whole context: P9's 97 blocks hold 12,288 tokens, under
+    the model's 16,384 positions (every P9 engine failed to start before the context followed the blocks)."""
+    from bench import backends, vllm_cpu
+
+    started: list[list[vllm_cpu.EngineSpec]] = []
+    monkeypatch.setattr(vllm_cpu, "start_engines", lambda specs, log_dir, **kw: started.append(specs) or [])
+    monkeypatch.setattr(backends.VllmBackend, "_measure_text_scale", lambda self: 1.0)
+    monkeypatch.setattr(backends.VllmBackend, "_warm_up", lambda self: None)
+    b = backends.VllmBackend(tmp_path)
+    b._start(97, None)
+    b._start(None, None)
+    assert [s.max_model_len for s in started[0]] == [96 * 128] * 2
+    assert "--num-gpu-blocks-override" in started[0][0].extra_args
+    assert [s.max_model_len for s in started[1]] == [vllm_cpu.MAX_POSITIONS] * 2 and vllm_cpu.MAX_POSITIONS == 16384
+    assert vllm_cpu.context_for_blocks(80) == 10_112  # what vLLM 0.32 said it could serve with 80 blocks
