@@ -141,6 +141,12 @@ def engine_args(sc: Scenario) -> tuple[int | None, int | None]:
 # Prompt tokens of one warm-up batch: the scenarios' shapes, up to P3's long prompt (16,000 on an AVX-512 CPU).
 WARM_UP_PROMPTS = (500, 800, 1000, 300, 600, 900, 2000, 6000, 16000)
 WARM_UP_ROUNDS = 2
+WARM_UP_HEADROOM = 256  # tokens kept free of a warm-up prompt in the context: the chat template and the reply
+
+
+def warm_up_prompts(context: int) -> tuple[int, ...]:
+    """The warm-up shapes an engine of `context` tokens per sequence can serve."""
+    return tuple(n for n in WARM_UP_PROMPTS if n + WARM_UP_HEADROOM <= context)
 
 
 class VllmBackend:
@@ -163,6 +169,7 @@ class VllmBackend:
         self.base: dict[str, dict[str, Any]] = {}
         self.duty: dict[int, Any] = {}
         self.text_scale = 1.0
+        self.context = vllm_cpu.MAX_POSITIONS  # tokens the engines hold per sequence: their max_model_len
 
     def supports(self, sc: Scenario) -> bool:
         return sc.id in REAL_SCENARIOS
@@ -173,9 +180,11 @@ class VllmBackend:
         self.close()
         extra: list[str] = ["--served-model-name", MODEL]
         kw: dict[str, Any] = {}
+        self.context = self.vc.MAX_POSITIONS
         if blocks:
             extra += ["--num-gpu-blocks-override", str(blocks)]
-            kw["max_model_len"] = self.vc.context_for_blocks(blocks)  # P9's 97 blocks hold less than the model's
+            self.context = self.vc.context_for_blocks(blocks)  # P9's 97 blocks hold less than the model's
+            kw["max_model_len"] = self.context
         kw["extra_args"] = tuple(extra)
         if seqs:
             kw["max_num_seqs"] = seqs
@@ -190,13 +199,14 @@ class VllmBackend:
         """Serve WARM_UP_ROUNDS rounds of a mixed batch on every engine before any system runs: a fresh vLLM-CPU
         engine takes ~1 s over its first requests of each shape, and the first system of a scenario (sluice)
         paid it alone (its short requests of the first second: TTFT 0.6-1.1 s, the next system's 0.02-0.1 s on the
-        same engines). Its prefix cache is emptied before each run (`begin_run`)."""
+        same engines). Its prefix cache is emptied before each run (`begin_run`). A shape longer than the engines'
+        context is left out: vLLM answers it 400 (P9's engines hold 12,288 tokens, the longest shape is 16,000)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from bench.scenarios.base import chat
 
         set_text_scale(self.text_scale)
-        bodies = [chat(n, 8, salt=8_000_000 + i, stream=False) for i, n in enumerate(WARM_UP_PROMPTS)]
+        bodies = [chat(n, 8, salt=8_000_000 + i, stream=False) for i, n in enumerate(warm_up_prompts(self.context))]
         jobs = [(e.url, b) for _ in range(WARM_UP_ROUNDS) for e in self.engines for b in bodies]
         with ThreadPoolExecutor(max_workers=len(bodies) * len(self.engines)) as pool:
             list(pool.map(lambda job: self._post(*job), jobs))

@@ -92,6 +92,11 @@ def test_the_real_backend_warms_every_engine_with_each_shape_before_a_system_run
     assert sorted({u for u, _ in sent}) == ["http://a", "http://b"] and len(sent) == 2 * per_engine
     sizes = sorted({n for u, n in sent if u == "http://a"})
     assert len(sizes) == len(backends.WARM_UP_PROMPTS)  # one body per shape, the longest a long prefill
+    sent.clear()
+    b.context = 96 * 128  # P9's engines: vLLM answers 400 to a prompt over their context
+    b._warm_up()
+    assert max(n for _, n in sent) < max(sizes) and len(sent) == 2 * backends.WARM_UP_ROUNDS * (len(sizes) - 1)
+    assert backends.warm_up_prompts(96 * 128) == backends.WARM_UP_PROMPTS[:-1]
 
 
 def test_an_engine_with_a_scenarios_small_kv_serves_the_context_its_blocks_hold(monkeypatch, tmp_path: Path):
