@@ -179,12 +179,11 @@ class VllmBackend:
 
         self.close()
         extra: list[str] = ["--served-model-name", MODEL]
-        kw: dict[str, Any] = {}
-        self.context = self.vc.MAX_POSITIONS
+        # P9's 97 blocks hold less than the model's positions, and vLLM refuses a context its KV cannot hold
+        self.context = self.vc.context_for_blocks(blocks) if blocks else self.vc.MAX_POSITIONS
+        kw: dict[str, Any] = {"max_model_len": self.context}
         if blocks:
             extra += ["--num-gpu-blocks-override", str(blocks)]
-            self.context = self.vc.context_for_blocks(blocks)  # P9's 97 blocks hold less than the model's
-            kw["max_model_len"] = self.context
         kw["extra_args"] = tuple(extra)
         if seqs:
             kw["max_num_seqs"] = seqs
