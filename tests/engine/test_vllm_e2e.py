@@ -8,11 +8,11 @@ a missing install fails these tests with the command that installs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -98,6 +98,52 @@ def wait_until(pred, timeout: float, interval: float = 0.1):  # type: ignore[no-
     return last
 
 
+# The load of `engine_load`: `streams` concurrent streaming completions, each started again when it ends, until the
+# parent kills the process or `seconds` pass. One event loop, one connection per stream.
+_LOAD_SCRIPT = """
+import asyncio, sys, time
+import httpx
+
+url, streams, seconds, model = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+body = {"model": model, "prompt": "x " * 600, "max_tokens": 6000, "ignore_eos": True, "stream": True}
+deadline = time.monotonic() + seconds
+
+async def slot(client):
+    while time.monotonic() < deadline:
+        async with client.stream("POST", url, json=body) as r:
+            async for _ in r.aiter_lines():
+                if time.monotonic() >= deadline:
+                    return
+
+async def main():
+    limits = httpx.Limits(max_connections=streams)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(slot(client) for _ in range(streams)))
+
+asyncio.run(main())
+"""
+
+
+def engine_idle(e: Engine) -> bool:
+    m = engine_metrics(e)
+    return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+
+
+@contextlib.contextmanager
+def engine_load(e: Engine, streams: int, seconds: float) -> Iterator[subprocess.Popen]:
+    """Keeps `streams` long streaming requests on the engine from a child process, for at most `seconds`. On exit
+    the child is killed; when the block ended without an error, the engine must be idle within 30 s (its aborted
+    requests gone), so the next test starts on an empty engine."""
+    proc = subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT, e.url + "/v1/completions", str(streams),
+                             str(seconds), SERVED_MODEL])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert wait_until(lambda: engine_idle(e), 30), "the engine still runs the load 30 s after its client was killed"
+
+
 def test_non_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> None:
     s, _e = stack
     r = client(s).chat.completions.create(model=SERVED_MODEL, max_tokens=12,
@@ -131,22 +177,11 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
     size = int(info.split('block_size="')[1].split('"')[0])
     assert st["kv_capacity_tokens"] == blocks * size > 0
 
-    # Long streams straight to the engine, twice its sequence cap: half run, half wait in vLLM's own queue. Each
-    # could generate for minutes, so the engine stays full however fast it decodes; the clients leave once the
-    # sidecar has seen it full (vLLM aborts a request whose client disconnects).
-    leave = threading.Event()
-
-    def stream() -> None:
-        body = {"model": SERVED_MODEL, "prompt": "x " * 600, "max_tokens": 6000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", e.url + "/v1/completions", json=body, timeout=120) as r:
-            for _ in r.iter_lines():
-                if leave.is_set():
-                    break
-
-    threads = [threading.Thread(target=stream, daemon=True) for _ in range(2 * MAX_NUM_SEQS)]
-    for t in threads:
-        t.start()
-    # vLLM refreshes its gauges in lumps, so the sidecar's view is sampled over the whole busy period.
+    # Streams straight to the engine, twice its sequence cap: half run, half wait in vLLM's own queue, and each
+    # slot is refilled as soon as its stream ends, so the engine stays full however fast it decodes. They run in a
+    # child process: reader threads in this process held the GIL so long that the other streams started one at a
+    # time and the status samples below stalled for tens of seconds (seen in faulthandler dumps). Killing the
+    # child closes its connections, and vLLM aborts a request whose client disconnects.
     peak = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
 
     def full() -> bool:
@@ -156,17 +191,13 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
             # the full engine takes both cores, and a status call may miss its 5 s deadline while the sidecar
             # waits for CPU (its scrapes time out then too): that sample is skipped, the 40 s bound stays
             return False
-        for k in peak:
+        for k in peak:  # vLLM refreshes its gauges in lumps, so the sidecar's view is sampled over the busy period
             peak[k] = max(peak[k], float(r[k]))
         return peak["running"] == MAX_NUM_SEQS and peak["waiting"] >= 1 and peak["kv_usage"] > 0
 
-    try:
+    with engine_load(e, streams=2 * MAX_NUM_SEQS, seconds=90):
         assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}"
         assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MAX_NUM_SEQS
-    finally:
-        leave.set()
-        for t in threads:
-            t.join(30)
 
     def ttft_seen() -> bool:  # keep first tokens coming, so every scrape window has TTFT observations
         body = {"model": SERVED_MODEL, "prompt": "y", "max_tokens": 1}
