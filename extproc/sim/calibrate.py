@@ -259,9 +259,11 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
         p = _with_cost(p, attn_ctx_pair=p.cost.attn_pair)
     x0 = np.log([max(float(getattr(p.cost, f)), 1e-12) for f in FIT_COST])
 
+    extra = measurement.get("extra", {})  # how the rows were measured (decode_method), as `calibrate` reads them
+
     def residuals(x: Any) -> Any:
         q = _with_cost(p, **dict(zip(FIT_COST, np.exp(x))))
-        return np.array([math.log(simulate(s, q, {}) / ms[s.name]["value"]) for s in fit_rows])
+        return np.array([math.log(simulate(s, q, extra) / ms[s.name]["value"]) for s in fit_rows])
 
     sol = least_squares(residuals, x0, bounds=(np.log(1e-13), np.log(1.0)), x_scale="jac", max_nfev=400)
     p = _with_cost(p, **{f: float(f"{v:.4g}") for f, v in zip(FIT_COST, np.exp(sol.x))})
