@@ -130,14 +130,14 @@ def engine_idle(e: Engine) -> bool:
 
 
 @contextlib.contextmanager
-def engine_load(e: Engine, streams: int, seconds: float) -> Iterator[subprocess.Popen]:
+def engine_load(e: Engine, streams: int, seconds: float) -> Iterator[None]:
     """Keeps `streams` long streaming requests on the engine from a child process, for at most `seconds`. On exit
     the child is killed; when the block ended without an error, the engine must be idle within 30 s (its aborted
     requests gone), so the next test starts on an empty engine."""
     proc = subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT, e.url + "/v1/completions", str(streams),
                              str(seconds), SERVED_MODEL])
     try:
-        yield proc
+        yield
     finally:
         proc.kill()
         proc.wait(10)

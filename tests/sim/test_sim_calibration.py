@@ -85,3 +85,18 @@ def test_written_preset_file_round_trips_and_serves(tmp_path: Path) -> None:
     args = cli.build_parser().parse_args(["--port", "0", "--preset", str(path)])
     assert args.preset == str(path)
     assert asdict(get_preset(str(path)).cost) == asdict(TINY_CPU.cost)
+
+
+def test_the_fit_gives_back_the_decode_rows_of_a_known_model(measurement: dict) -> None:
+    """A measurement that is exactly tiny-cpu's own simulation (decode rows by batch rate, as `measure` takes them)
+    is fitted back within a few percent on every decode row: the fit simulates the rows as they were measured."""
+    from extproc.sim.calibrate import simulate
+
+    known = copy.deepcopy(measurement)
+    known["extra"]["decode_method"] = "batch"
+    for name, m in known["measurements"].items():
+        if name in SPEC_BY_NAME and SPEC_BY_NAME[name].kind in ("ttft", "decode", "prefix_hit"):
+            m["value"] = simulate(SPEC_BY_NAME[name], TINY_CPU, known["extra"])
+    fitted = fit_preset(TINY_CPU, known, "known", "known")
+    decode = {r.name: round(r.ratio, 3) for r in calibrate(fitted, known) if SPEC_BY_NAME[r.name].kind == "decode"}
+    assert len(decode) >= 5 and all(0.97 <= v <= 1.03 for v in decode.values()), decode
