@@ -66,6 +66,9 @@ class LLMRequest:
     prompt_chars: int = 0        # characters of prompt text (prefix levels in characters -> tokens)
     prefix_held: int = 0         # tokens of its prompt that requests in flight on its replica held in KV when it
                                  # was placed (admission: it adds only the rest to that replica's KV)
+    prefill_new: float = 0.0     # uncached prompt tokens its replica computes, and their prefill work (placement.py
+    prefill_work: float = 0.0    # `prefill_work`), charged when it was placed (the prefill speed is measured per work)
+    work_mark: float = -1.0      # its replica's `placed_work_total` once it was placed (-1: moved, not known)
     body_fingerprint: bytes = b""  # digest of the whole body: duplicate / retry detection
     include_usage: bool = False
     output_limited: bool = True  # the client set max_tokens / max_completion_tokens (else an expectation is used)

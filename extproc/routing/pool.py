@@ -93,7 +93,10 @@ class Replica:
     sent_since_requests: int = 0        # ... and this sidecar's requests placed here since it was sent, in flight,
     sent_since_tokens: int = 0          # with their footprints and prompts: the page cannot have counted them all,
     sent_since_prompt_tokens: int = 0   # and they are new placements, not requests the engine is slow to count
-    prefill_backlog: float = 0.0        # prompt tokens placed and (by estimate) not yet prefilled ...
+    inflight_prefill_new: float = 0.0   # uncached prompt tokens of this sidecar's requests in flight, and their
+    inflight_prefill_work: float = 0.0  # prefill work (placement.py `prefill_work`): work per token computed here
+    placed_work_total: float = 0.0      # prefill work ever placed here by this sidecar (a request's `work_mark`)
+    prefill_backlog: float = 0.0        # prefill work placed (placement.py `prefill_work`) and not yet prefilled ...
     prefill_at: float = 0.0             # ... as of this time.monotonic(); decays at the prefill rate
     lane_inflight: list[int] = field(default_factory=list)  # this sidecar's requests in flight, per lane
     # per lane: time.monotonic() until which the prompts of that lane placed here are predicted to be prefilling

@@ -379,6 +379,18 @@ def _fmt(v: float | None, unit: str) -> str:
     return f"{v:,.0f} {unit}" if unit == "tokens" else f"{v:.1f} {unit}"
 
 
+def prefill_knee_tokens(preset: Preset) -> float:
+    """The context length at which a prompt token's attention costs as much as the rest of its prefill, in the
+    preset's cost model: a token at position x costs prefill_tok + x x attention per (token, earlier token) pair,
+
+        knee = prefill_tok / attn_ctx_pair        (attn_pair when the preset has no separate context term)
+
+    which is what sluice's `admission.prefill_knee_tokens` describes (admission/placement.py `prefill_work`)."""
+    c = preset.cost
+    attn = c.attn_ctx_pair if c.attn_ctx_pair is not None else c.attn_pair
+    return c.prefill_tok / attn if attn > 0 else 0.0
+
+
 def render_table(preset: Preset, rows: list[Row]) -> str:
     lines = [f"calibration of preset {preset.name}: {preset.description}",
              f"{'row':<36} {'measured':>13} {'simulated':>13} {'ratio':>6}  use"]
@@ -386,6 +398,7 @@ def render_table(preset: Preset, rows: list[Row]) -> str:
         ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
         lines.append(f"{r.name:<36} {_fmt(r.measured, r.unit):>13} {_fmt(r.simulated, r.unit):>13} {ratio:>6}  "
                      f"{'fit' if r.fit else 'held-out'}")
+    lines.append(f"admission.prefill_knee_tokens for this engine: {prefill_knee_tokens(preset):,.0f}")
     return "\n".join(lines)
 
 

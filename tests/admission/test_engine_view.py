@@ -253,7 +253,8 @@ def test_lanes_follow_predicted_prefill_seconds_relative_to_the_target():
 
 def scheduler(n: int = 1, **admission: object) -> Scheduler:
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
-    policy = parse_section("admission", {"kv_capacity_tokens": 100_000, **admission})
+    # prefill time linear in the prompt (knee 0): these tests count plain tokens (the size model: test_prefill_work.py)
+    policy = parse_section("admission", {"kv_capacity_tokens": 100_000, "prefill_knee_tokens": 0, **admission})
     return Scheduler(pool, policy, Placer(pool, policy))
 
 

@@ -28,7 +28,8 @@ def scheduler(n: int = 1, kv_usage: float = 0.0) -> Scheduler:
     """Shipped defaults but for the KV size, a 0.5 s target and decode speed; every replica scraped at t=1."""
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
     policy = parse_section("admission", {"kv_capacity_tokens": CAP, "prefill_tokens_per_s": 40_000,
-                                         "decode_s_per_token": D, "ttft_target_s": 0.5})
+                                         "decode_s_per_token": D, "ttft_target_s": 0.5,
+                                         "prefill_knee_tokens": 0})  # prefill linear in the prompt: plain tokens
     s = Scheduler(pool, policy, Placer(pool, policy))
     for r in pool.replicas:
         r.max_num_seqs = 256

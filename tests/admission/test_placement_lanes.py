@@ -1,6 +1,6 @@
 """Placement of a confined lane (long prompts): its share of replicas counts prefills, not requests held (P3, P7)."""
 
-from extproc.admission.placement import LANE
+from extproc.admission.placement import LANE, LANE_ACTIVE_S
 from extproc.request import LLMRequest
 
 from .placing import place, placer
@@ -15,6 +15,7 @@ def req(prompt: int, out: int = 16) -> LLMRequest:
 
 def test_a_long_prompt_waits_rather_than_stack_behind_a_long_prefill():
     p = placer()
+    p.note_lane(SHORT, 0.0)  # short requests come too: the confinement protects them
     a = place(p, req(10_000), LONG, 0.0)
     b = place(p, req(10_000), LONG, 0.0)
     assert a is not b
@@ -39,6 +40,7 @@ def test_long_contexts_spread_over_every_replica_once_their_prefill_ends():
 
 def test_a_request_ended_before_its_predicted_prefill_end_frees_the_share():
     p = placer()
+    p.note_lane(SHORT, 0.0)
     r1, r2 = req(10_000), req(10_000)
     a = place(p, r1, LONG, 0.0)
     place(p, r2, LONG, 0.0)
@@ -46,6 +48,21 @@ def test_a_request_ended_before_its_predicted_prefill_end_frees_the_share():
     p.release(a, r1, LONG, a.scrape_epoch)  # the client left during the prefill
     assert a.lane_prefill_until[LONG] == 0.0
     assert p.choose(req(10_000), LONG, 0.1) is not None
+
+
+def test_the_confinement_holds_only_while_a_smaller_lane_is_active():
+    """PX: when every request is a long prompt (cold system prompts), no smaller request needs the replicas kept free
+    of long prefills: all of them prefill long prompts. Once a short request comes, the share holds again, for
+    LANE_ACTIVE_S after the latest one."""
+    p = placer()
+    placed = {place(p, req(10_000), LONG, 0.0) for _ in range(4)}
+    assert len(placed) == 4  # every replica, none idle for requests that do not come
+    p = placer()
+    p.note_lane(SHORT, 0.0)
+    place(p, req(10_000), LONG, 0.0)
+    place(p, req(10_000), LONG, 0.0)
+    assert p.choose(req(10_000), LONG, 0.1) is None  # a short request came 0.1 s ago: half stays free
+    assert p.choose(req(10_000), LONG, 0.1 + LANE_ACTIVE_S) is not None  # none since LANE_ACTIVE_S
 
 
 def test_unconfined_lanes_are_never_held_back():

@@ -90,18 +90,22 @@ def test_relaxes_back_to_the_configured_speed():
     assert pr.update(rs, 301.2) < 10_100
 
 
-def test_a_speed_learned_on_short_prompts_is_scaled_down_for_longer_ones():
+def test_the_speed_is_measured_in_prefill_work_of_the_prompts_in_flight():
+    """The engine counts tokens; the placer charges work (placement.py `prefill_work`). A saturated interval's tokens
+    are converted by the work per token of this sidecar's requests in flight there, so the speed holds for every
+    prompt size: 5,000 tokens in 0.2 s of 2,000-token prompts whose work is 1.5x their tokens is 37,500 work/s."""
     rs, pr = replicas(), PrefillRate(10_000)
     for r in rs:
         r.place(2_100, 2_000)
+        r.inflight_prefill_new, r.inflight_prefill_work = 2_000.0, 3_000.0
     scrape(rs, 1.0, 0, waiting=2)
     pr.update(rs, 1.0)
     scrape(rs, 1.2, 5_000, waiting=2)
-    learned = pr.update(rs, 1.2)
-    for r in rs:
+    assert pr.update(rs, 1.2) == min(10_000 * 1.5, 0.5 * 10_000 + 0.5 * 25_000 * 1.5)  # MAX_STEP caps a scrape
+    for r in rs:  # heavy prompts now: their work is in the charge, the speed stays
         r.release(2_100, 2_000)
-        r.place(25_100, 25_000)  # heavy prompts now: 12.5x larger
-    assert abs(pr.update(rs, 1.2) - learned * 2_000 / 25_000) < 1
+        r.place(25_100, 25_000)
+    assert pr.update(rs, 1.2) == 15_000
 
 
 def test_nothing_is_measured_while_a_long_prompt_is_in_flight():
@@ -157,15 +161,3 @@ def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
         pace = pr.update(rs, 2.0 + 0.2 * k)
     assert pace < 3_000
 
-
-def test_the_pool_speed_comes_with_the_mean_prompt_it_was_measured_with():
-    rs, pr = replicas(2), PrefillRate(10_000)
-    pr.update(rs, 0.5)
-    assert pr.measured_prompt == 0.0  # the configured speed: measured with nothing
-    for r in rs:
-        r.place(420, 400)
-    scrape(rs, 1.0, 0, waiting=2)
-    pr.update(rs, 1.0)
-    scrape(rs, 1.2, 3_000, waiting=2)
-    pr.update(rs, 1.2)
-    assert pr.measured_prompt == 400.0

@@ -17,6 +17,7 @@ from extproc.routing.pool import EJECTED, Pool
 def make(n_replicas: int = 2, **admission) -> Scheduler:
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n_replicas)]))
     policy = parse_section("admission", {"kv_capacity_tokens": 10_000, "kv_margin": 0.0, "max_wait_s": 5.0,
+                                         "prefill_knee_tokens": 0,  # prefill linear in the prompt: plain tokens
                                          **admission})
     return Scheduler(pool, policy, Placer(pool, policy))
 
@@ -150,9 +151,10 @@ async def test_long_lane_confined_to_a_share_of_replicas():
     s = make(n_replicas=2, prefill_tokens_per_s=20_000.0, kv_capacity_tokens=1_000_000,
              lanes=[{"name": "short", "max_prefill_of_target": 0.5},  # up to 1 s of the 2 s target: 20,000 tokens
                     {"name": "long", "max_prefill_of_target": 1e6, "max_replica_share": 0.5}])
+    early = s.submit(req(prompt=100, out=10), 0.0)  # short requests come: the long lane's share holds
     first = s.submit(req(prompt=50_000, out=10), 0.0)  # 2.5 s of prefill
     second = s.submit(req(prompt=50_000, out=10), 0.0)
-    assert isinstance(first, Placement)
+    assert isinstance(early, Placement) and isinstance(first, Placement)
     assert isinstance(second, Waiter)  # not on the other replica, and not stacked on the first
     short = s.submit(req(prompt=100, out=10), 0.0)
     assert isinstance(short, Placement) and short.replica is not first.replica

@@ -19,7 +19,8 @@ def scheduler(n: int = 1, **admission: object) -> Scheduler:
     """Shipped defaults (the wait budget derived from the SLO), a 1 s target, RATE tokens/s of prefill."""
     pool = Pool.from_config(PoolConfig(model="m", replicas=[f"10.0.0.{i}:8000" for i in range(n)]))
     policy = parse_section("admission", {"kv_capacity_tokens": 1_000_000, "ttft_target_s": 1.0,
-                                         "prefill_tokens_per_s": RATE, **admission})
+                                         "prefill_tokens_per_s": RATE, "prefill_knee_tokens": 0,  # linear: plain tokens
+                                         **admission})
     return Scheduler(pool, policy, Placer(pool, policy))
 
 

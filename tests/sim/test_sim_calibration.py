@@ -63,7 +63,11 @@ def test_offline_cli_compares_with_the_committed_measurement(tmp_path: Path,
     rows = json.loads(out.read_text())
     assert {r["use"] for r in rows} == {"fit", "held-out"}
     assert all(LOW <= r["ratio"] <= HIGH for r in rows)
-    assert "hol_short_ttft_max" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "hol_short_ttft_max" in printed
+    # the knee sluice's admission.prefill_knee_tokens describes, from the fitted cost model
+    assert f"admission.prefill_knee_tokens for this engine: {TINY_CPU.cost.prefill_tok / TINY_CPU.cost.attn_ctx_pair:,.0f}" \
+        in printed
 
 
 def test_a_preset_without_measurement_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
