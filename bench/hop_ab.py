@@ -6,11 +6,12 @@ path's c=1 p50, then each path's c=32 requests/s with the sidecar's and Envoy's 
 c=32 order alternates between rounds). It prints each path's medians over the rounds and every round's value.
 The machine is shared and drifts by about 20 %: compare variants within one run, never across runs.
 
-SPEC is `CODE_DIR[:MODULE][+PATCH][@WORKERS]`:
+SPEC is `CODE_DIR[:MODULE][+PATCH][@WORKERS][%VAR=VALUE,...]`:
   CODE_DIR  the directory the sidecar runs from (e.g. a `git archive` of another commit; empty: this one)
   MODULE    run this module instead of `extproc.cli` (e.g. `bench.noop_sidecar`, grpc.aio's floor)
   PATCH     an Envoy rendering change for this variant only: `noretry` (no retry policy on the ext_proc stream)
   WORKERS   sidecar.workers (default: the policy's default for this machine)
+  VAR=VALUE environment variables for this variant's sidecar only (e.g. `%GRPC_EXPERIMENTS=...`)
 Example: `python -m bench.hop_ab base=/tmp/base noop=:bench.noop_sidecar new=` (run it under the CPU lock).
 """
 
@@ -42,15 +43,18 @@ class Variant:
     module: str
     patch: str
     workers: int
+    env: dict[str, str]
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
-        """NAME=CODE_DIR[:MODULE][+PATCH][@WORKERS]"""
+        """NAME=CODE_DIR[:MODULE][+PATCH][@WORKERS][%VAR=VALUE,...]"""
         name, spec = text.split("=", 1)
+        spec, _, env_text = spec.partition("%")
+        env = dict(item.split("=", 1) for item in env_text.split(",") if item)
         spec, _, workers = spec.partition("@")
         spec, _, patch = spec.partition("+")
         code_dir, _, module = spec.partition(":")
-        return cls(name, code_dir, module, patch, int(workers or 0))
+        return cls(name, code_dir, module, patch, int(workers or 0), env)
 
     def wrapper(self) -> Callable[[list[str]], list[str]]:
         """The sidecar's command line: another module, from another directory."""
@@ -59,6 +63,8 @@ class Variant:
                 argv = [self.module if a == "extproc.cli" else a for a in argv]
             if self.code_dir:
                 argv = ["sh", "-c", f'cd "{self.code_dir}" && exec "$@"', "sh", *argv]
+            if self.env:
+                argv = ["env", *(f"{k}={v}" for k, v in self.env.items()), *argv]
             return argv
         return wrap
 
@@ -129,7 +135,7 @@ def run(variants: list[Variant], rounds: int, n_c1: int, n_c32: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hop_ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="+", help="NAME=CODE_DIR[:MODULE][+PATCH][@WORKERS]")
+    parser.add_argument("variants", nargs="+", help="NAME=CODE_DIR[:MODULE][+PATCH][@WORKERS][%%VAR=VALUE,...]")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests-c1", type=int, default=200, help="requests per path and round at c=1")
     parser.add_argument("--requests-c32", type=int, default=2000, help="requests per path and round at c=32")

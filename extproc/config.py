@@ -144,6 +144,9 @@ class SidecarConfig:
                                        # bound. A worker holds ~100 MB at rest. 0 = never. `sluice serve` alone:
                                        # use the process manager's memory limit (docs/operations.md)
     recycle_check_s: float = 10.0      # seconds between two RSS reads of a worker by `sluice up`
+    grpc_server: str = "h2"            # the ext_proc/access-log gRPC server: "h2" (extproc/h2grpc.py, a minimal
+                                       # HTTP/2 server for Envoy's two streaming RPCs: about a tenth of grpc.aio's
+                                       # CPU per request) or "grpcio" (grpc.aio). EPP mode always uses grpcio
 
     def __post_init__(self) -> None:
         if self.workers == 0:
@@ -166,6 +169,7 @@ class SidecarConfig:
         require(self.message_timeout_ms >= 50, f"{path}.message_timeout_ms", "must be at least 50")
         require(self.recycle_rss_mb >= 0, f"{path}.recycle_rss_mb", "must be >= 0 (0 = never recycle)")
         require(self.recycle_check_s >= 0.1, f"{path}.recycle_check_s", "must be at least 0.1")
+        require(self.grpc_server in ("h2", "grpcio"), f"{path}.grpc_server", "must be h2 or grpcio")
         require(self.max_queue_wait_ms >= self.message_timeout_ms, f"{path}.max_queue_wait_ms",
                 f"must be >= {path}.message_timeout_ms")
 

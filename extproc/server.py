@@ -16,11 +16,13 @@ from typing import TypeVar
 
 import grpc
 from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from extproc import h2grpc
 from extproc import metrics as m
 from extproc.accesslog import AccessLogReceiver
 from extproc.config import Policy
@@ -133,21 +135,30 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
     grpc_addr = f"{sc.host}:{sc.grpc_port + worker}"
     if take_over is None and not port_is_free(sc.host, sc.grpc_port + worker):
         raise OSError(f"cannot listen on {grpc_addr} (port taken)")
-    server = grpc.aio.server(options=[
-        ("grpc.max_concurrent_streams", 100_000),
-        ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
-        ("grpc.so_reuseport", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health: EppHealth | None = None
     access_log: AccessLogReceiver | None = None
+    server: grpc.aio.Server | h2grpc.Server
+    if policy.epp.enabled or sc.grpc_server == "grpcio":
+        server = grpc.aio.server(options=[
+            ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
+            ("grpc.so_reuseport", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    else:  # the default: extproc/h2grpc.py, about a tenth of grpc.aio's CPU per ext_proc stream (issue #17)
+        server = h2grpc.Server(max_receive_message_length=policy.limits.max_body_bytes + 65536)
+        server.add_stream_stream(h2grpc.EXT_PROC_PATH, servicer.Process, ext_proc_pb.ProcessingRequest)
     if policy.epp.enabled:  # the gateway sends the picker no access log; it probes gRPC health instead
         health = EppHealth()
-        health.add_to(server)
+        health.add_to(server)  # type: ignore[arg-type]
     else:
         access_log = AccessLogReceiver({p.cluster: p.model for p in gateway.pools.values()})
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+        if isinstance(server, h2grpc.Server):
+            server.add_stream_unary(h2grpc.ACCESS_LOG_PATH, access_log.StreamAccessLogs,
+                                    als_pb2.StreamAccessLogsMessage)
+        else:
+            als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
         gateway.attach_access_log(access_log)
     state = {"ready": False}
     runner = web.AppRunner(make_http_app(gateway, state), access_log=None)
@@ -256,7 +267,7 @@ def _queued(gateway: Gateway) -> int:
     return sum(s.queued_total() for s in gateway.schedulers.values())
 
 
-async def _hand_over(server: grpc.aio.Server, gateway: Gateway, access_log: AccessLogReceiver | None,
+async def _hand_over(server: grpc.aio.Server | h2grpc.Server, gateway: Gateway, access_log: AccessLogReceiver | None,
                      grace_s: float) -> None:
     """SIGUSR2, a replacement already serving on the same port: close this worker's listener and send Envoy a
     GOAWAY (grpc's server shutdown), so that Envoy opens its next connection, which only the replacement's socket
