@@ -4,6 +4,8 @@ gRPC implementation): the ext_proc bidi stream, the access log's client stream, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -56,94 +58,85 @@ async def _serve(limit: int = 1 << 20):
     return server, servicer, port
 
 
-async def test_ext_proc_stream_two_messages_each_way_many_times() -> None:
-    server, _servicer, port = await _serve()
+@asynccontextmanager
+async def _connected(limit: int = 1 << 20) -> AsyncIterator[tuple[h2grpc.Server, Servicer, grpc.aio.Channel]]:
+    """A started server, its servicer and a grpcio channel to it; the server stops on the way out."""
+    server, servicer, port = await _serve(limit)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-
-            async def one(i: int) -> None:
-                call = stub.Process()
-                await call.write(HEADERS)
-                assert (await call.read()).HasField("request_headers")
-                body = f"body {i}".encode() * (1 + i % 7)
-                await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
-                assert (await call.read()).immediate_response.body == body
-                assert await call.read() is grpc.aio.EOF
-                assert await call.code() == grpc.StatusCode.OK
-
-            await asyncio.gather(*(one(i) for i in range(200)))
+            yield server, servicer, channel
     finally:
         await server.stop(0)
+
+
+async def test_ext_proc_stream_two_messages_each_way_many_times() -> None:
+    async with _connected() as (_server, _servicer, channel):
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def one(i: int) -> None:
+            call = stub.Process()
+            await call.write(HEADERS)
+            assert (await call.read()).HasField("request_headers")
+            body = f"body {i}".encode() * (1 + i % 7)
+            await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+            assert (await call.read()).immediate_response.body == body
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+
+        await asyncio.gather(*(one(i) for i in range(200)))
 
 
 async def test_large_messages_cross_frames_and_flow_control_windows() -> None:
-    server, _servicer, port = await _serve(limit=8 << 20)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            body = bytes(range(256)) * (3 << 12)  # 3 MB: many DATA frames in, the answer split to the peer's frames
-            for _ in range(3):
-                call = stub.Process()
-                await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
-                assert (await call.read()).immediate_response.body == body
-                assert await call.code() == grpc.StatusCode.OK
-    finally:
-        await server.stop(0)
+    async with _connected(limit=8 << 20) as (_server, _servicer, channel):
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        body = bytes(range(256)) * (3 << 12)  # 3 MB: many DATA frames in, the answer split to the peer's frames
+        for _ in range(3):
+            call = stub.Process()
+            await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+            assert (await call.read()).immediate_response.body == body
+            assert await call.code() == grpc.StatusCode.OK
 
 
 async def test_a_message_over_the_limit_ends_the_rpc_with_resource_exhausted() -> None:
-    server, _servicer, port = await _serve(limit=1000)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = pb_grpc.ExternalProcessorStub(channel).Process()
-            await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x" * 5000)))
-            assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        await server.stop(0)
+    async with _connected(limit=1000) as (_server, _servicer, channel):
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x" * 5000)))
+        assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_access_log_client_stream_and_abort() -> None:
-    server, servicer, port = await _serve()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = als_pb2_grpc.AccessLogServiceStub(channel)
+    async with _connected() as (_server, servicer, channel):
+        stub = als_pb2_grpc.AccessLogServiceStub(channel)
 
-            def messages(n: int, last: str = "r"):
-                for i in range(n):
-                    msg = als_pb2.StreamAccessLogsMessage()
-                    msg.http_logs.log_entry.add().request.request_id = last if i == n - 1 else "r"
-                    yield msg
+        def messages(n: int, last: str = "r"):
+            for i in range(n):
+                msg = als_pb2.StreamAccessLogsMessage()
+                msg.http_logs.log_entry.add().request.request_id = last if i == n - 1 else "r"
+                yield msg
 
-            assert isinstance(await stub.StreamAccessLogs(messages(5)), als_pb2.StreamAccessLogsResponse)
-            assert servicer.entries == 5
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.StreamAccessLogs(messages(3, last="stop"))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == "enough"
-    finally:
-        await server.stop(0)
+        assert isinstance(await stub.StreamAccessLogs(messages(5)), als_pb2.StreamAccessLogsResponse)
+        assert servicer.entries == 5
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.StreamAccessLogs(messages(3, last="stop"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == "enough"
 
 
 async def test_peer_cancel_cancels_the_handler_and_unknown_methods_are_unimplemented() -> None:
-    server, servicer, port = await _serve()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = pb_grpc.ExternalProcessorStub(channel).Process()
-            await call.write(HEADERS)
-            await call.read()
-            call.cancel()
-            for _ in range(100):
-                if servicer.cancelled:
-                    break
-                await asyncio.sleep(0.01)
-            assert servicer.cancelled == 1 and not server.tasks
-            unknown = channel.unary_unary("/no.Such/Method", request_serializer=lambda b: b,
-                                          response_deserializer=lambda b: b)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await unknown(b"")
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        await server.stop(0)
+    async with _connected() as (server, servicer, channel):
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(HEADERS)
+        await call.read()
+        call.cancel()
+        for _ in range(100):
+            if servicer.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert servicer.cancelled == 1 and not server.tasks
+        unknown = channel.unary_unary("/no.Such/Method", request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await unknown(b"")
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_stop_cancels_running_handlers_after_the_grace_and_refuses_a_second_bind() -> None:
