@@ -110,7 +110,7 @@ class Call:
         self.started = False    # our response headers are sent
         self.done = False       # our trailers (or a reset) are sent
         self.task: asyncio.Task[Any] | None = None
-        self.buf = b""
+        self.buf = bytearray()  # the start of a message split over DATA frames
         self.recv_unacked = 0
         self.send_window = conn.peer_initial_window
 
@@ -339,27 +339,37 @@ class Connection(asyncio.Protocol):
         if call.recv_unacked >= REFILL_AT and not flags & END_STREAM:
             self.out.append(_frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", call.recv_unacked)))
             call.recv_unacked = 0
-        buf = call.buf + payload if call.buf else payload
+        # A message in one frame (the usual case) is parsed from the payload itself; the part of a message split
+        # over frames gathers in `call.buf`, appended to in place (re-joining it per frame was quadratic in its size).
+        if call.buf:
+            call.buf += payload
+            data: bytes | bytearray = call.buf
+        else:
+            data = payload
         limit = self.server.max_receive_message_length
-        while len(buf) >= 5:
-            if buf[0] != 0:
+        pos, n = 0, len(data)
+        while n - pos >= 5:
+            if data[pos] != 0:
                 self._fail(call, grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
                 return
-            size = int.from_bytes(buf[1:5], "big")
+            size = int.from_bytes(data[pos + 1:pos + 5], "big")
             if size > limit:
                 self._fail(call, grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"received message larger than max ({size} vs. {limit})")
                 return
-            if len(buf) < 5 + size:
+            if n - pos - 5 < size:
                 break
             try:
-                message = call.method.request_cls.FromString(buf[5:5 + size])
+                message = call.method.request_cls.FromString(bytes(data[pos + 5:pos + 5 + size]))
             except Exception:
                 self._fail(call, grpc.StatusCode.INTERNAL, "the request message could not be parsed")
                 return
-            buf = buf[5 + size:]
+            pos += 5 + size
             call.deliver(message)
-        call.buf = buf
+        if data is call.buf:
+            del call.buf[:pos]
+        elif pos < n:
+            call.buf += data[pos:]
         if flags & END_STREAM:
             call.end()
 
@@ -463,11 +473,8 @@ class Connection(asyncio.Protocol):
     def _flush(self) -> None:
         self.flush_pending = False
         if self.out and not self.closed and self.transport is not None:
-            out = [f for f in self.out]
-            self.out.clear()
-            self.transport.write(b"".join(out))
-        else:
-            self.out.clear()
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
 
     def goaway(self) -> None:
         """No stream after the last one seen is served here; the peer opens its next ones elsewhere."""

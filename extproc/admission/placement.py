@@ -293,11 +293,12 @@ class Placer:
         others = r.shared_requests * horizon_s / self.decode_s
         return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
 
-    def lifetime_s(self, r: Replica, req: LLMRequest, now: float, prompt: float) -> float:
-        """How long `req` would hold KV on `r`: its predicted TTFT there, then its expected output's decode."""
-        return self.predicted_ttft_s(r, prompt, now) + req.expected_output_tokens * self.decode_s
+    def lifetime_s(self, r: Replica, req: LLMRequest, now: float, work: float) -> float:
+        """How long `req` would hold KV on `r`: its predicted TTFT there (`work`: its prefill work there), then its
+        expected output's decode."""
+        return self.predicted_ttft_s(r, work, now) + req.expected_output_tokens * self.decode_s
 
-    def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, prompt: float,
+    def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, work: float,
                 held: float = 0.0) -> bool:
         """`req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already hold)
         fits within `limit` beside what `r` will hold during its lifetime (`kv_committed`; the whole future
@@ -305,7 +306,7 @@ class Placer:
         room = limit - (req.total_tokens - held)
         if self.kv_committed(r, now) <= room:
             return True
-        return self.kv_committed(r, now, self.lifetime_s(r, req, now, prompt)) <= room
+        return self.kv_committed(r, now, self.lifetime_s(r, req, now, work)) <= room
 
     def kv_free_s(self, req: LLMRequest, now: float, ahead: int = 0, ahead_tokens: float = 0.0) -> float | None:
         """Seconds until some usable replica's KV could hold `req` behind the `ahead` requests queued before it
@@ -395,11 +396,10 @@ class Placer:
 
     # ---- the filter ------------------------------------------------------------------------------------
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
-                prompt: float | None = None, held: float = 0.0) -> str | None:
+                work: float | None = None, held: float = 0.0) -> str | None:
         """Why `r` cannot take `req` now (None: it fits). `ttft_limit_s`: the predicted TTFT allowed
-        (`ttft_limit_s()`); `prompt`: the prefill work of its prompt on `r` (`prefill_work`, default: none of it
-        cached); `held`:
-        the tokens of its prompt that requests in flight on `r` already hold in KV (a shared prefix)."""
+        (`ttft_limit_s()`); `work`: its prompt's prefill work on `r` (`prefill_work`; default: none of it cached);
+        `held`: the tokens of its prompt that requests in flight on `r` already hold in KV (a shared prefix)."""
         pol = self.policy
         if not r.routable:
             if not (r.state == EJECTED and not r.draining and r.inflight_requests == 0
@@ -416,14 +416,14 @@ class Placer:
             return CONCURRENCY
         if r.engine_queue() > pol.max_waiting_per_replica:
             return QUEUE_FULL
-        if prompt is None:
-            prompt = self.prefill_work(req.prompt_tokens)
+        if work is None:
+            work = self.prefill_work(req.prompt_tokens)
         cap = r.kv_capacity_tokens
-        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), prompt, held):
+        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), work, held):
             return KV_FULL
         backlog = self.backlog(r, now)
         if backlog > 0:
-            if backlog + prompt > self.rate * ttft_limit_s * w:
+            if backlog + work > self.rate * ttft_limit_s * w:
                 return PREFILL
         return None
 
@@ -582,13 +582,14 @@ class Placer:
         return self.backlog_share * self.policy.ttft_target_s
 
     # ---- the score and the picker --------------------------------------------------------------------------
-    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, prompt: float | None = None,
+    def score(self, r: Replica, req: LLMRequest, now: float, lane: int = 0, work: float | None = None,
               held: float = 0.0) -> float:
         pol = self.policy
-        work = self.prefill_work(req.prompt_tokens) if prompt is None else prompt
+        if work is None:
+            work = self.prefill_work(req.prompt_tokens)
         s = self.predicted_ttft_s(r, work, now) / pol.ttft_target_s
-        # P3: a replica working on a larger lane's request (a long prefill, whose real duration the linear
-        # backlog estimate may understate) is the last choice for smaller requests.
+        # P3: a replica working on a larger lane's request (a long prefill, whose real duration the predicted
+        # backlog may still understate) is the last choice for smaller requests.
         for bigger in self._confined_above[lane]:
             if r.lane_inflight[bigger]:
                 s += LANE_PENALTY
@@ -656,13 +657,13 @@ class Placer:
             if held_s is not None and self.backlog(r, now) > self.rate * held_s * (r.weight or 0.1):
                 reasons[TENANT] = reasons.get(TENANT, 0) + 1
                 continue
-            prompt = self.prefill_work(req.prompt_tokens, cached.get(r, 0.0))
+            work = self.prefill_work(req.prompt_tokens, cached.get(r, 0.0))
             shared = held.get(r, 0.0)
-            why = self.why_not(r, req, lane, now, ttft_limit, prompt, shared)
+            why = self.why_not(r, req, lane, now, ttft_limit, work, shared)
             if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
-            s = self.score(r, req, now, lane, prompt, shared)
+            s = self.score(r, req, now, lane, work, shared)
             if best is None or s < best_s:
                 second, second_s, best, best_s = best, best_s, r, s
             elif second is None or s < second_s:

@@ -7,37 +7,37 @@ during a burst while the sidecar sheds work they could have done in time (measur
 its ~70 requests/s). This module measures the speed instead.
 
 A measurement is the engine's prompt-token counter, less its prefix-cache hits (tokens found cached are not
-computed, and the placer charges only the uncached part of a prompt), in prefill work (placement.py
-`prefill_work`: each token weighted by its position in the context, as attention costs), over one scrape interval that began with a
-non-empty engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty at
-the end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower bound
-(it can raise the estimate, never lower it). Lower bounds matter: the gate itself keeps the engines' queues
+computed, and the placer charges only the uncached part of a prompt), in prefill work (placement.py `prefill_work`:
+each token weighted by its position in the context, as attention costs), over one scrape interval that began with a
+non-empty engine waiting queue, so the engine was prefilling as fast as it could. If the queue was still non-empty
+at the end, the interval's rate is the engine's speed (averaged in); if it had drained, the rate is only a lower
+bound (it can raise the estimate, never lower it). Lower bounds matter: the gate itself keeps the engines' queues
 short, so with a pessimistic speed an engine is saturated only for a moment at the start of a burst, and that
-moment must be enough to open the gate. An interval without any engine queue says only how much work was
-sent; but if the engine kept up with nearly the speed the gate assumes and still queued nothing, the gate is
-what limits it: the estimate is probed upwards (x PROBE per scrape) until a queue forms and a real measurement
-takes over. Completed prompts are counted in one lump, so no single scrape may raise a replica's estimate by
-more than MAX_STEP (a long prompt finishing inside a short interval is not a speed).
+moment must be enough to open the gate. An interval without any engine queue says only how much work was sent; but
+if the engine kept up with nearly the speed the gate assumes and still queued nothing, the gate is what limits it:
+the estimate is probed upwards (x PROBE per scrape) until a queue forms and a real measurement takes over.
+Completed prompts are counted in one lump, so no single scrape may raise a replica's estimate by more than MAX_STEP
+(a long prompt finishing inside a short interval is not a speed).
 
-Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let
-long ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the
-speed is measured in work, not tokens: the tokens computed in the interval x the work per uncached token of
-this sidecar's requests in flight on the replica (`inflight_prefill_work / inflight_prefill_new`), and the
-placer charges each prompt its own work. While the replica runs a request of a larger lane than any it ran when
-measured (a long prompt among short ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request of the
-last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
-later, and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's is the slowest
-healthy replica's: the cautious choice when one replica holds a long prompt and the others do not (that is its
-lane rule, above). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy peers' is
-left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8).
-Each replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes
-(the prompt mix may have changed), and it stays within a factor of the configured value so a bogus counter cannot
-open or close the gate entirely. Only HEALTHY and RECOVERING replicas are measured (a sick one's speed is
-health's business) and only HEALTHY ones at full weight set the pool's speed; when none is (every replica back
-from an outage at once, P6) the recovering ones' speeds do. A replica keeps what it learned through an outage:
-the engine that comes back runs on the same hardware, and forgetting it put the gate back at the configured
-10,000 tokens/s against ~25,000 real while the backlog of the outage waited (P6: 2,350 prefill_backlog refusals
-with the replicas' KV near 5 %); slow start (health.py) backs off if it comes back slower.
+Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let long
+ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the speed is
+measured in work, not tokens: the tokens computed in the interval x the work per uncached token of this sidecar's
+requests in flight on the replica (`inflight_prefill_work / inflight_prefill_new`), and the placer charges each
+prompt its own work. While the replica runs a request of a larger lane than any it ran when measured (a long prompt
+among short ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request
+of the last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
+later, and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's
+is the slowest healthy replica's: the cautious choice when one replica holds a long prompt and the others do not
+(that is its lane rule, above). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy
+peers' is left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8). Each
+replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes (the
+prompt mix may have changed), and it stays within a factor of the configured value so a bogus counter cannot open
+or close the gate entirely. Only HEALTHY and RECOVERING replicas are measured (a sick one's speed is health's
+business) and only HEALTHY ones at full weight set the pool's speed; when none is (every replica back from an
+outage at once, P6) the recovering ones' speeds do. A replica keeps what it learned through an outage: the engine
+that comes back runs on the same hardware, and forgetting it put the gate back at the configured 10,000 tokens/s
+against ~25,000 real while the backlog of the outage waited (P6: 2,350 prefill_backlog refusals with the replicas'
+KV near 5 %); slow start (health.py) backs off if it comes back slower.
 """
 
 from __future__ import annotations
@@ -96,8 +96,7 @@ class PrefillRate:
         return speed
 
     def _speed(self, s: _Seen, r: Replica, now: float) -> float:
-        factor = self._size_factor(s, r)
-        return self._relaxed(s, now) * factor if factor > 0 else self.prior
+        return self.prior if _lane_unseen(s, r) else self._relaxed(s, now)
 
     def _observe(self, s: _Seen, r: Replica, learn: bool = True) -> None:
         e = r.engine
@@ -127,12 +126,6 @@ class PrefillRate:
                 s.lane = _top_lane(r)
         s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
 
-    @staticmethod
-    def _size_factor(s: _Seen, r: Replica) -> float:
-        """0 (the caller falls back to the configured speed) while the replica runs a request of a larger lane than
-        any it ran when its speed was measured; else 1 (prompt size is in the work unit already)."""
-        return 0.0 if s.rate > 0 and _top_lane(r) > s.lane else 1.0
-
     def _relaxed(self, s: _Seen, now: float) -> float:
         if s.rate <= 0:
             return self.prior
@@ -157,6 +150,12 @@ def _without_outliers(rates: list[tuple[float, float]]) -> list[tuple[float, flo
         if rate * OUTLIER >= median:
             kept.append((rate, speed))
     return kept
+
+
+def _lane_unseen(s: _Seen, r: Replica) -> bool:
+    """The replica runs a request of a larger lane than any it ran when its speed was measured: that speed says
+    nothing about it (prompt size is in the work unit already; a new lane is a mix never measured)."""
+    return s.rate > 0 and _top_lane(r) > s.lane
 
 
 def _work_per_token(r: Replica) -> float:
