@@ -139,6 +139,7 @@ class Placer:
         self._tenant_rate: dict[str, tuple[float, float]] = {}
         self._total = (0.0, 0.0)
         # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
+        self._cached_memo: tuple[LLMRequest, PrefixAffinity, int, dict[Replica, float]] | None = None
         self._cached_for: LLMRequest | None = None
         self._cached: dict[Replica, float] = {}
         self._held: dict[Replica, float] = {}  # ... and the prompt tokens requests in flight hold, per replica
@@ -221,8 +222,21 @@ class Placer:
         prefix cached (all of it computed when none does)."""
         if self.prefix is None:
             return self.prefill_s(req.prompt_tokens)
-        cached = self.prefix.cached_tokens(req)
+        cached = self.cached_tokens(req)
         return self.prefill_s(req.prompt_tokens, max(cached.values()) if cached else 0.0)
+
+    def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
+        """`PrefixAffinity.cached_tokens`, computed once per request while the prefix state stays the same: the
+        lane (`lane_prefill_s`) and the placement that follows it at once (`choose`) ask the same question."""
+        prefix = self.prefix
+        if prefix is None:
+            return {}
+        memo = self._cached_memo
+        if memo is not None and memo[0] is req and memo[1] is prefix and memo[2] == prefix.version:
+            return memo[3]
+        cached = prefix.cached_tokens(req)
+        self._cached_memo = (req, prefix, prefix.version, cached)
+        return cached
 
     def kv_held(self, r: Replica, now: float) -> float:
         """KV tokens the replica's engine holds now, as far as this sidecar can tell:
@@ -644,7 +658,7 @@ class Placer:
         tenant = req.tenant if over == 0 else None
         held_s = self._tenant_backlog_s(req.tenant, now)
         ttft_limit = self.ttft_limit_s(req, now, waited)
-        cached = self.prefix.cached_tokens(req) if self.prefix is not None else {}
+        cached = self.cached_tokens(req)
         held = self.prefix.held_tokens(req) if self.prefix is not None else {}
         self._cached_for, self._cached, self._held = req, cached, held
         subset = req.subset

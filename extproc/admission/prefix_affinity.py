@@ -121,6 +121,9 @@ class PrefixAffinity:
         self.tally: dict[str, _Tally] = {}
         # level hash -> replica -> requests in flight there whose prompt carries that level (its KV is held)
         self.held: dict[int, dict[Replica, int]] = {}
+        # Moves whenever `cached_tokens` could answer differently (a placement recorded, a scrape compared): a
+        # caller may keep an answer while it stays the same (`Placer.cached_tokens`).
+        self.version = 0
 
     # ---- the hot path ------------------------------------------------------------------------------------
     def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
@@ -199,6 +202,7 @@ class PrefixAffinity:
         if t is None:
             t = self.tally[r.address] = _Tally()
         t.predicted += predicted
+        self.version += 1
         self.hold(r, req)
         where = self.where
         for h in req.prefix_chain:
@@ -232,6 +236,7 @@ class PrefixAffinity:
     def on_scrape(self, replicas: list[Replica]) -> None:
         """Add each engine's new prefix-cache hits; compare with the predictions once there are enough. Hits
         while nothing is predicted belong to prefixes this sidecar does not follow and are not counted."""
+        self.version += 1
         for r in replicas:
             e = r.engine
             t = self.tally.get(r.address)

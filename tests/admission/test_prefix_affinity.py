@@ -355,3 +355,31 @@ def test_a_long_shared_prefix_still_goes_where_it_is_held_beside_idle_replicas()
         if place_on[-1] is not home:
             break
     assert len(place_on) > 8 and all(r is home for r in place_on[:-1]) and place_on[-1] is not home
+
+
+def test_the_lane_and_the_placement_share_one_prefix_lookup_while_nothing_changes(monkeypatch):
+    """`lane_prefill_s` and the `choose` that follows it ask the prefix state the same question: it is answered
+    once (the hot path), and asked again as soon as a placement or a scrape could change the answer."""
+    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
+    home = p.pool.replicas[0]
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, home)
+    calls = []
+    lookup = p.prefix.cached_tokens
+    monkeypatch.setattr(p.prefix, "cached_tokens", lambda q: calls.append(q) or lookup(q))
+    q = req(user="q")
+    lane_s = p.lane_prefill_s(q)
+    assert lane_s < 0.1 * p.prefill_s(q.prompt_tokens)  # its prefix is cached at home: the lane of its tail
+    assert p.choose(q, 1, 10.0)[0] is home
+    assert len(calls) == 1
+    p.commit(home, q, 1, 10.0)  # a placement moves the prefix state: the next question is answered afresh
+    p.choose(q, 1, 10.0)
+    assert len(calls) == 2
+    p.prefix.on_scrape(p.pool.replicas)  # so does a scrape
+    p.lane_prefill_s(q)
+    assert len(calls) == 3
+    other = req(user="other")  # another request never gets the first one's answer
+    p.lane_prefill_s(other)
+    assert calls[-1] is other
