@@ -4,7 +4,7 @@ Two ways to run it:
 
 * ``--against URL [--preempt-url URL2] [--json FILE] [--write-preset FILE]``: measure a live
   OpenAI-compatible engine through its HTTP API and /metrics (``measure.py``), fit a preset to the
-  rows marked *fit* (least squares on log ratios, scipy), simulate every row with the fitted preset,
+  rows marked *fit* (fourth powers of log ratios, scipy), simulate every row with the fitted preset,
   print the table and write the measurement (``--json``) and the preset (``--write-preset``, a JSON
   file that ``sluice sim --preset FILE`` runs).
 * ``--preset P [--measurement FILE]``: offline, in simulated time: simulate the rows of a stored
@@ -15,8 +15,9 @@ Each row is one number measured on the engine and the same scenario run through 
 check it. Every ratio simulated / measured must lie in ``LOW..HIGH`` (exit status 1 otherwise).
 
 Fit (``fit_preset``): the eight cost constants (base, prefill_tok, decode_seq, attn_pair,
-attn_ctx_pair, kv_read_tok, frontend, frontend_tok) minimise ``sum(log(simulated / measured) ** 2)``
-over the fit rows of TTFT, decode rate and prefix-hit TTFT (scipy's least_squares on log constants);
+attn_ctx_pair, kv_read_tok, frontend, frontend_tok) minimise ``sum(log(simulated / measured) ** 4)``
+over the fit rows of TTFT, decode rate and prefix-hit TTFT (scipy's least_squares on log constants,
+started from the least-squares fit: the fourth power weighs the worst row, which the bar judges);
 ``abort`` is the measured abort latency less half an idle /metrics scrape; ``metrics_base`` and
 ``metrics_per_seq`` are the least-squares line through the /metrics rows (latency against running
 sequences); the contended /metrics deciles are stored as measured; the KV cache (blocks, block size)
@@ -153,6 +154,27 @@ def hol_offsets(long_ttft: float) -> list[float]:
     return [long_ttft * (k + 0.5) / HOL_OFFSETS for k in range(HOL_OFFSETS)]
 
 
+def hol_long_ttft(offsets: list[float]) -> float:
+    """The long prompt's TTFT the offsets were cut from (`hol_offsets`' inverse: the last slice's middle)."""
+    return offsets[-1] * len(offsets) / (len(offsets) - 0.5)
+
+
+def sim_hol_scaled(p: Preset, offsets: list[float]) -> list[float]:
+    """The short request's TTFT at each offset, in units of the long prefill measured beside it (converted back to
+    seconds at the measured speed): the short arrives at the same fractions of the simulated long prompt's TTFT as
+    it did of the real one's, and each wait is scaled by measured long TTFT / simulated long TTFT.
+
+    The HOL rows check where a short request waits during a long prefill (the scheduler's structure); the long
+    prefill's speed is the TTFT rows' to check. The same 4,000-token prompt measured twice minutes apart on this
+    shared machine took 0.3445 s (row ttft_4000) and 0.3128 s (beside the HOL rows), and a short's wait is the
+    long prefill's end less its arrival, a difference that doubled that 10 % drift into an 18 % error of the HOL
+    mean with the absolute offsets."""
+    measured_long = hol_long_ttft(offsets)
+    simulated_long = sim_ttft(p, HOL_LONG)
+    scale = simulated_long / measured_long
+    return [t / scale for t in sim_hol(p, [o * scale for o in offsets])]
+
+
 def sim_hol(p: Preset, offsets: list[float]) -> list[float]:
     out = []
     for off in offsets:
@@ -203,7 +225,7 @@ def simulate(spec: RowSpec, p: Preset, extra: dict[str, Any]) -> float:
     if k == "decode":
         return sim_decode(p, spec.arg, extra.get("decode_method", "stream"))
     if k in ("hol_mean", "hol_max"):
-        hol = sim_hol(p, extra["hol_offsets"])
+        hol = sim_hol_scaled(p, extra["hol_offsets"])
         return sum(hol) / len(hol) if k == "hol_mean" else max(hol)
     if k == "prefix_hit":
         return sim_prefix_hit(p, spec.arg, spec.arg2)
@@ -265,7 +287,12 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
         q = _with_cost(p, **dict(zip(FIT_COST, np.exp(x))))
         return np.array([math.log(simulate(s, q, extra) / ms[s.name]["value"]) for s in fit_rows])
 
-    sol = least_squares(residuals, x0, bounds=(np.log(1e-13), np.log(1.0)), x_scale="jac", max_nfev=400)
+    bounds = (np.log(1e-13), np.log(1.0))
+    sol = least_squares(residuals, x0, bounds=bounds, x_scale="jac", max_nfev=400)
+    # Then sum(log ratio ** 4) from there: the bar is on the worst row (every ratio within LOW..HIGH), and a
+    # square lets one noisy row (a decode rate 9 % above its neighbour's trend) sit just outside while the rest
+    # fit closely; the fourth power trades a little of the close fit for the worst row.
+    sol = least_squares(lambda x: residuals(x) ** 2, sol.x, bounds=bounds, x_scale="jac", max_nfev=400)
     p = _with_cost(p, **{f: float(f"{v:.4g}") for f, v in zip(FIT_COST, np.exp(sol.x))})
     metric_rows = [SPEC_BY_NAME[n] for n in ms if n in SPEC_BY_NAME and SPEC_BY_NAME[n].fit
                    and SPEC_BY_NAME[n].kind == "metrics"]
