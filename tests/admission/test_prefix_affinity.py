@@ -62,6 +62,17 @@ def confirmed(aff: PrefixAffinity, r: Replica, rounds: int = 3, share: float = 1
         aff.on_scrape([r])
 
 
+def confirmed_pool(n: int = 2, home: int = 0) -> tuple[Placer, Replica]:
+    """`n` scraped replicas prefilling 10,000 tokens/s against a 1 s target, the prefix confirmed on replica
+    `home` (returned with the placer)."""
+    p = placer(n=n, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, p.pool.replicas[home])
+    return p, p.pool.replicas[home]
+
+
 def test_confidence_follows_the_engines_hits():
     aff, r = PrefixAffinity(), Replica(address="a:1", pool="m")
     scrape(r, 0.5, 0.0)
@@ -91,12 +102,7 @@ def test_a_restarted_engine_has_an_empty_cache():
 
 
 def test_requests_sharing_a_prefix_go_where_it_is_cached_and_spill_when_it_is_busy():
-    p = placer(n=3, prefill_tokens_per_s=10_000, ttft_target_s=1.0)  # a 4,000-token prompt prefills in 0.4 s
-    home = p.pool.replicas[1]
-    for r in p.pool.replicas:
-        scrape(r, 0.5, 0.0)
-    p.prefix.on_scrape(p.pool.replicas)
-    confirmed(p.prefix, home)
+    p, home = confirmed_pool(n=3, home=1)  # a 4,000-token prompt prefills in 0.4 s
     for r in p.pool.replicas:
         r.prefill_backlog = 0.0
     # an idle pool: the replica holding the prefix computes only the new tail
@@ -183,12 +189,8 @@ def test_a_prefix_is_held_while_a_request_carrying_it_is_in_flight():
 def test_a_replica_near_its_kv_limit_takes_more_of_a_prefix_its_requests_hold():
     """The KV gate counts a prefix held by requests in flight once: the replica holding it keeps taking its requests
     (their tails and outputs fit), while a prompt of another prefix, or the same one on another replica, does not."""
-    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)  # KV 100,000 tokens, limit 90,000
-    home, other = p.pool.replicas
-    for r in p.pool.replicas:
-        scrape(r, 0.5, 0.0)
-    p.prefix.on_scrape(p.pool.replicas)
-    confirmed(p.prefix, home)
+    p, home = confirmed_pool()  # KV 100,000 tokens, limit 90,000
+    other = p.pool.replicas[1]
     first = req(user="first")
     assert p.choose(first, 1, 10.0)[0] is home
     p.commit(home, first, 1, 10.0)
@@ -283,12 +285,7 @@ def test_requests_placed_since_the_scrape_count_a_prefix_they_share_once():
     whose prefix is held by one in flight adds only the rest, so a burst of one app's requests between two
     scrapes does not read as several copies of its system prompt (which refused the prefix's holder as KV full
     and spilled the app to the other replica, PX). Ending leaves the counters as they were."""
-    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
-    home = p.pool.replicas[0]
-    for r in p.pool.replicas:
-        scrape(r, 0.5, 0.0)
-    p.prefix.on_scrape(p.pool.replicas)
-    confirmed(p.prefix, home)
+    p, home = confirmed_pool()
     first, second = req(user="first"), req(user="second")
     assert p.choose(first, 1, 10.0)[0] is home
     p.commit(home, first, 1, 10.0)
@@ -360,12 +357,7 @@ def test_a_long_shared_prefix_still_goes_where_it_is_held_beside_idle_replicas()
 def test_the_lane_and_the_placement_share_one_prefix_lookup_while_nothing_changes(monkeypatch):
     """`lane_prefill_s` and the `choose` that follows it ask the prefix state the same question: it is answered
     once (the hot path), and asked again as soon as a placement or a scrape could change the answer."""
-    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=1.0)
-    home = p.pool.replicas[0]
-    for r in p.pool.replicas:
-        scrape(r, 0.5, 0.0)
-    p.prefix.on_scrape(p.pool.replicas)
-    confirmed(p.prefix, home)
+    p, home = confirmed_pool()
     calls = []
     lookup = p.prefix.cached_tokens
     monkeypatch.setattr(p.prefix, "cached_tokens", lambda q: calls.append(q) or lookup(q))
