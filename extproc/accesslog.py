@@ -20,6 +20,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from extproc import metrics as m
+from extproc.xds import DEADLINE_HEADERS
 
 log = logging.getLogger("sluice.accesslog")
 
@@ -51,6 +52,17 @@ def classify(entry: al.HTTPAccessLogEntry) -> str | None:
             or flags.upstream_protocol_error or flags.upstream_overflow or flags.upstream_retry_limit_exceeded):
         return FAILED  # includes a stream cut mid-response by a crashing replica (UPE after a 200)
     return COMPLETED
+
+
+def client_deadline_passed(entry: al.HTTPAccessLogEntry) -> bool:
+    """The request ended at the route timeout, and the client had sent its own deadline, from which the sidecar
+    set that timeout (`DEADLINE_HEADERS`, logged with each entry: xds.py): the client's time ran out, which says
+    no more about the replica than a client that hung up. A replica that is slow for everyone shows it in its
+    TTFT and pace against its peers (routing/health.py)."""
+    if not entry.common_properties.response_flags.upstream_request_timeout:
+        return False
+    logged = entry.request.request_headers
+    return any(name in logged for name in DEADLINE_HEADERS)
 
 
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):

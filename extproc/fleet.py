@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
+from extproc.accesslog import CANCELLED, TIMEOUT, client_deadline_passed
 from extproc.admission.placement import Placer
 from extproc.admission.scheduler import Scheduler
 from extproc.config import Policy
@@ -123,6 +124,8 @@ class Fleet:
         if sock.address:
             # a first byte from the replica says it was serving, even when the client left (busy is not dead)
             answered = common.HasField("time_to_first_upstream_rx_byte")
+            if outcome == TIMEOUT and client_deadline_passed(entry):
+                outcome = CANCELLED  # the client's own deadline: its doing, like hanging up
             self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome, answered=answered)
 
     def kick_all(self) -> None:

@@ -127,6 +127,10 @@ EXTPROC_CLUSTER = "sluice_extproc"
 POOL_HEADER = "x-sluice-pool"              # set by the sidecar; selects the pool cluster
 LB_NAMESPACE = "envoy.lb"                  # dynamic metadata namespace read by override_host
 DESTINATION_KEY = "x-gateway-destination-endpoint"
+# The headers that carry the client's own deadline: the openai SDK's timeout, and sluice's explicit one. The
+# sidecar sets the route timeout to the time they leave (gateway.py); the access log carries them, so an upstream
+# timeout at that deadline is told from a replica's (accesslog.py `client_deadline_passed`).
+DEADLINE_HEADERS = ("x-stainless-read-timeout", "x-sluice-deadline-ms")
 EXTPROC_STAT_PREFIX = "sluice"
 LISTENER_NAME = "sluice_listener"
 ROUTE_NAME = "sluice_routes"
@@ -546,7 +550,7 @@ def _grpc_access_log(policy: Policy) -> AccessLog:
         transport_api_version=ApiVersion.V3,
         buffer_flush_interval=dt.timedelta(milliseconds=ACCESS_LOG_FLUSH_MS),
         buffer_size_bytes=ACCESS_LOG_BUFFER_BYTES,
-    ))
+    ), additional_request_headers_to_log=list(DEADLINE_HEADERS))
     return AccessLog(name="envoy.access_loggers.http_grpc", typed_config=PbAny.pack(cfg))
 
 

@@ -41,8 +41,10 @@ as dead).
                 engine answers nothing)
   error_rate    (failed + timeout) / finished requests from Envoy's access log over error_window_s >
                 error_rate_degraded + the pooled rate of the other serving (not ejected) replicas, with
-                >= error_min_samples (cancelled: the client's doing, not counted; timeouts that hit every replica
-                alike are the load's, not one replica's, even while a peer is degraded)
+                >= error_min_samples (cancelled: the client's doing, not counted, and so is a timeout at the
+                client's own deadline, the route timeout the sidecar set from it, which under load ended requests
+                on every replica of P4 and P5 at once; timeouts that hit every replica alike are the load's, not
+                one replica's, even while a peer is degraded)
 EJECTED and RECOVERING replicas carry little traffic, so they are judged with `probe_min_samples`; RECOVERING
 relapses at relapse_factor x the TTFT bar. Slow start follows the replica's own first tokens (P6): once per
 slow_start_step_s it goes one step up when the p95 TTFT of that step's first tokens is within

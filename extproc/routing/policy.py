@@ -30,8 +30,9 @@ class HealthPolicy:
     tps_min_span_s: float = 3.0       # seconds of scrape history the window must span before the TPS floor is
                                       # judged (right after start or a restart the rate is noise)
     error_rate_degraded: float = 0.2  # share of failed + timed-out requests (Envoy access log outcomes; cancelled
-                                      # ones are the client's doing and not counted) over `error_window_s` above
-                                      # this + the pool's other healthy replicas' share -> DEGRADED
+                                      # ones, and ones timed out at the client's own deadline, are the client's
+                                      # doing and not counted) over `error_window_s` above this + the pool's other
+                                      # healthy replicas' share -> DEGRADED
     error_min_samples: int = 10       # finished requests the error window must hold before the rate is judged
     error_window_s: float = 10.0      # the error-rate window, seconds
     scrape_failures_degraded: int = 2  # consecutive failed scrapes that make a replica DEGRADED ("unreachable")
