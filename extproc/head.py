@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from envoy.config.core.v3 import base_pb2
 
 from extproc.request import LLMRequest
-from extproc.xds import DEADLINE_HEADERS, DESTINATION_KEY, POOL_HEADER
+from extproc.xds import DEADLINE_MS_HEADER, DESTINATION_KEY, POOL_HEADER, READ_TIMEOUT_HEADER
 
 if TYPE_CHECKING:
     from extproc.epp import Subset
@@ -153,8 +153,8 @@ def _set_authorization(head: Head, text: str) -> None:
 # One reader per header the sidecar reads; the key is the header name.
 HEADER_READERS: dict[str, Callable[[Head, str], None]] = {
     "x-stainless-retry-count": _set_retry_count,
-    DEADLINE_HEADERS[0]: _set_timeout,
-    DEADLINE_HEADERS[1]: _set_deadline_ms,
+    READ_TIMEOUT_HEADER: _set_timeout,
+    DEADLINE_MS_HEADER: _set_deadline_ms,
     "x-sluice-tenant": _setter("tenant", 64),
     "x-sluice-app": _setter("app", 64),
     "x-sluice-task-id": _setter("task_id", 128),

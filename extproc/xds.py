@@ -130,7 +130,9 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 # The headers that carry the client's own deadline: the openai SDK's timeout, and sluice's explicit one. The
 # sidecar sets the route timeout to the time they leave (gateway.py); the access log carries them, so an upstream
 # timeout at that deadline is told from a replica's (accesslog.py `client_deadline_passed`).
-DEADLINE_HEADERS = ("x-stainless-read-timeout", "x-sluice-deadline-ms")
+READ_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the openai SDK's timeout, seconds
+DEADLINE_MS_HEADER = "x-sluice-deadline-ms"        # sluice's own, milliseconds
+DEADLINE_HEADERS = (READ_TIMEOUT_HEADER, DEADLINE_MS_HEADER)
 EXTPROC_STAT_PREFIX = "sluice"
 LISTENER_NAME = "sluice_listener"
 ROUTE_NAME = "sluice_routes"

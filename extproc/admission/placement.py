@@ -138,8 +138,9 @@ class Placer:
         # Prompt tokens per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (tokens, as of).
         self._tenant_rate: dict[str, tuple[float, float]] = {}
         self._total = (0.0, 0.0)
-        # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
+        # The last prefix-cache lookup (`cached_tokens`): the request, the prefix state and its version, the answer.
         self._cached_memo: tuple[LLMRequest, PrefixAffinity, int, dict[Replica, float]] | None = None
+        # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
         self._cached_for: LLMRequest | None = None
         self._cached: dict[Replica, float] = {}
         self._held: dict[Replica, float] = {}  # ... and the prompt tokens requests in flight hold, per replica
