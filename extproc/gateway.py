@@ -118,7 +118,7 @@ class Gateway:
         return Stream(holds=Hold.OPEN_STREAM)
 
     def on_request_headers(self, st: Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Note the head and wait for the body (Envoy pipelines it right behind). Refused here, before anything
+        """Note the head and let Envoy send the buffered body. Refused here, before anything
         else is looked at: headers that would leave no room for the sidecar's own (431), then, with API keys
         required, a missing or unknown key (401). A request without a body for Envoy's own routes (/v1/models:
         those reach the sidecar only when keys are required) passes once its key is known."""

@@ -36,9 +36,8 @@ class SlowConsumerPolicy:
 class StreamingPolicy:
     """Observed responses (TTFT, tokens, usage) and slow consumers."""
 
-    sample_rate: float = 0.0          # share of requests observed (0..1); any observation turns off header/body
-                                      # pipelining (Envoy ignores mode_override with it): 0 and no metered tenants
-                                      # saves ~0.1 ms per request
+    sample_rate: float = 0.0          # share of requests observed (0..1); an observed response costs sidecar
+                                      # CPU per body chunk
     metered_tenants: list[str] = field(default_factory=list)  # tenants whose every request is observed (exact
                                                                # token accounting)
     max_buffer_bytes: int = 1 << 20   # a non-streaming JSON body is buffered up to this size to read its usage
@@ -47,7 +46,7 @@ class StreamingPolicy:
 
     @property
     def observes(self) -> bool:
-        """Some responses are observed: Envoy must not pipeline the body behind the headers (xds.py)."""
+        """Some responses are observed (sampled or metered): the sampler is asked per request."""
         return self.sample_rate > 0 or bool(self.metered_tenants)
 
     def validate(self, path: str) -> None:
