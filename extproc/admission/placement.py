@@ -74,6 +74,7 @@ the dominant tenant's prefill, at the cost of the flood's throughput when the ot
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from extproc.admission.decode_time import BOUND as DECODE_BOUND
@@ -82,6 +83,21 @@ from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefix_affinity import PrefixAffinity
 from extproc.request import LLMRequest
 from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
+
+NONE_CACHED: dict[Replica, float] = {}  # no prefix state: nothing cached or held anywhere (never written)
+
+
+@dataclass(slots=True, eq=False)
+class PrefixLookup:
+    """One request's prefix-cache lookup: the tokens of its prompt cached per replica (valid while the prefix
+    state keeps its version) and, once `Placer.choose` asked, the prompt tokens that requests in flight hold
+    there (for `commit`)."""
+
+    req: LLMRequest
+    prefix: PrefixAffinity
+    version: int
+    cached: dict[Replica, float]
+    held: dict[Replica, float] | None = None
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
 WEIGHT_PENALTY = 4.0  # score added at weight 0 (health: degraded / slow start), proportionally above
@@ -138,12 +154,8 @@ class Placer:
         # Prompt tokens per tenant and in total, decayed with time constant TENANT_ACTIVE_S: (tokens, as of).
         self._tenant_rate: dict[str, tuple[float, float]] = {}
         self._total = (0.0, 0.0)
-        # The last prefix-cache lookup (`cached_tokens`): the request, the prefix state and its version, the answer.
-        self._cached_memo: tuple[LLMRequest, PrefixAffinity, int, dict[Replica, float]] | None = None
-        # The prefix-cache lookup of the request `choose` last placed, for `commit` (cached tokens per replica).
-        self._cached_for: LLMRequest | None = None
-        self._cached: dict[Replica, float] = {}
-        self._held: dict[Replica, float] = {}  # ... and the prompt tokens requests in flight hold, per replica
+        # The last request's prefix-cache lookup: the lane, `choose` and the `commit` that follows share it.
+        self._lookup: PrefixLookup | None = None
 
     def on_replicas_changed(self) -> None:
         """The pool's replica set changed (built, reloaded, or discovery added / removed one): new replicas get the
@@ -229,15 +241,18 @@ class Placer:
     def cached_tokens(self, req: LLMRequest) -> dict[Replica, float]:
         """`PrefixAffinity.cached_tokens`, computed once per request while the prefix state stays the same: the
         lane (`lane_prefill_s`) and the placement that follows it at once (`choose`) ask the same question."""
+        lookup = self._lookup_for(req)
+        return lookup.cached if lookup is not None else {}
+
+    def _lookup_for(self, req: LLMRequest) -> PrefixLookup | None:
+        """The request's lookup, made anew when it is another request's or the prefix state has changed since."""
         prefix = self.prefix
         if prefix is None:
-            return {}
-        memo = self._cached_memo
-        if memo is not None and memo[0] is req and memo[1] is prefix and memo[2] == prefix.version:
-            return memo[3]
-        cached = prefix.cached_tokens(req)
-        self._cached_memo = (req, prefix, prefix.version, cached)
-        return cached
+            return None
+        lookup = self._lookup
+        if lookup is None or lookup.req is not req or lookup.prefix is not prefix or lookup.version != prefix.version:
+            lookup = self._lookup = PrefixLookup(req, prefix, prefix.version, prefix.cached_tokens(req))
+        return lookup
 
     def kv_held(self, r: Replica, now: float) -> float:
         """KV tokens the replica's engine holds now, as far as this sidecar can tell:
@@ -659,9 +674,12 @@ class Placer:
         tenant = req.tenant if over == 0 else None
         held_s = self._tenant_backlog_s(req.tenant, now)
         ttft_limit = self.ttft_limit_s(req, now, waited)
-        cached = self.cached_tokens(req)
-        held = self.prefix.held_tokens(req) if self.prefix is not None else {}
-        self._cached_for, self._cached, self._held = req, cached, held
+        lookup = self._lookup_for(req)
+        cached = held = NONE_CACHED
+        if lookup is not None:
+            # what requests in flight hold changes with every placement and end: asked at each choice
+            lookup.held = held = lookup.prefix.held_tokens(req)
+            cached = lookup.cached
         subset = req.subset
         for r in self.pool.replicas:
             if subset is not None and not subset.allows(r.address):
@@ -692,10 +710,11 @@ class Placer:
         """`req` goes to `r`: charge its uncached prompt to the replica's prefill backlog, its expected output to
         the replica's KV growth from its predicted first token on (returned: `release` takes it), and remember its
         prefix there (prefix_affinity.py)."""
-        mine = self._cached_for is req
-        cached = self._cached.get(r, 0.0) if mine else 0.0
-        req.prefix_held = int(min(self._held.get(r, 0.0), req.prompt_tokens)) if mine else 0
-        self._cached_for, self._cached, self._held = None, {}, {}
+        lookup, self._lookup = self._lookup, None
+        cached = held = 0.0
+        if lookup is not None and lookup.req is req and lookup.held is not None:  # `choose` looked it up
+            cached, held = lookup.cached.get(r, 0.0), lookup.held.get(r, 0.0)
+        req.prefix_held = int(min(held, req.prompt_tokens))
         r.place(req.total_tokens, req.prompt_tokens, req.prefix_held)
         req.prefill_new = req.prompt_tokens - cached
         req.prefill_work = self.prefill_work(req.prompt_tokens, cached)
