@@ -314,11 +314,9 @@ async def _in_rounds(specs: list[RowSpec], repeats: int,
                     once: Callable[[RowSpec], Awaitable[list[float]]]) -> dict[str, list[float]]:
     """Every row measured once per round, ``repeats`` rounds, so that a drift of the shared machine's speed during
     the measurement reaches every row alike, not only the rows measured in its slow minutes. Used for the decode
-    rows, whose ratios are between rows (measured a row at a time with 3 repeats, the held-out decode_tok_s_4 came
-    out at 0.92, 1.17 and 0.92 of the fitted simulator in three calibrations of 2026-12-04). The TTFT rows keep
-    their repeats together: interleaved with 16,000-token prompts, the short prompts' TTFTs on a simulator served
-    in the same process moved the fit enough to put a held-out prefix row at 0.81-0.85 in 2 of 5 runs of
-    tests/sim/test_sim_calibrate_live.py."""
+    rows, whose ratios compare the rows with each other. The TTFT rows keep their repeats together: interleaved
+    with 16,000-token prompts, the short prompts' TTFTs moved the fit (on a simulator served in the same process,
+    a held-out prefix row left the 0.85-1.15 range in 2 of 5 runs of tests/sim/test_sim_calibrate_live.py)."""
     samples: dict[str, list[float]] = {s.name: [] for s in specs}
     for _ in range(repeats):
         for s in specs:
