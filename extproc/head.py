@@ -87,6 +87,7 @@ class Head:
     idempotency_key: str | None = None
     request_id: str = ""
     client_timeout_s: float | None = None
+    deadline_sent: bool = False  # x-sluice-deadline-ms set client_timeout_s: the SDK's read timeout does not
     api_key: str | None = None  # never logged; mapped to a tenant by identity
     subset: Subset | None = None  # EPP mode: the gateway's subset hint (request metadata, not a header)
 
@@ -123,13 +124,17 @@ def to_int(raw: str, default: int = 0) -> int:
 
 
 def _set_timeout(head: Head, text: str) -> None:
-    head.client_timeout_s = _float(text)
+    """The openai SDK's read timeout, the client's deadline unless it sent its own (x-sluice-deadline-ms), in
+    whichever order the two headers come."""
+    if not head.deadline_sent:
+        head.client_timeout_s = _float(text)
 
 
 def _set_deadline_ms(head: Head, text: str) -> None:
     ms = _float(text)
     if ms is not None:
         head.client_timeout_s = ms / 1000.0
+        head.deadline_sent = True
 
 
 def _set_retry_count(head: Head, text: str) -> None:

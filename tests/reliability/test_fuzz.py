@@ -232,6 +232,16 @@ def test_read_head_reads_every_header_it_knows() -> None:
     assert (head.idempotency_key, head.api_key, head.client_timeout_s) == ("k-1", "sk-1", 1.5)
 
 
+@pytest.mark.parametrize("order", [("x-stainless-read-timeout", "x-sluice-deadline-ms"),
+                                   ("x-sluice-deadline-ms", "x-stainless-read-timeout")])
+def test_the_clients_own_deadline_wins_over_the_sdks_read_timeout_in_either_order(order: tuple[str, str]) -> None:
+    # the openai SDK always sends its read timeout (600 s by default); a client that needs a longer stream, or a
+    # shorter deadline, says so with x-sluice-deadline-ms, wherever its header lands among the SDK's
+    values = {"x-stainless-read-timeout": b"600", "x-sluice-deadline-ms": b"3600000"}
+    head = read_head([base_pb2.HeaderValue(key=k, raw_value=values[k]) for k in order])
+    assert head.client_timeout_s == 3600.0
+
+
 # ---- the whole state machine: headers -> body -> (queue) -> finish -----------------------------------------
 POLICY = {"pools": [{"model": "m", "replicas": ["10.0.0.1:8000", "10.0.0.2:8000"]}],
           "admission": {"kv_capacity_tokens": 60000, "max_concurrency_per_replica": 2},
