@@ -35,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from .engine import Engine, Request, block_hashes, run_offline
 from .presets import (CostModel, Preset, contended_quantile, get_preset, measurement_path, preset_from_json,
@@ -310,20 +310,6 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
 
 # ---- measurement -----------------------------------------------------------------------------------
 
-async def _in_rounds(specs: list[RowSpec], repeats: int,
-                    once: Callable[[RowSpec], Awaitable[list[float]]]) -> dict[str, list[float]]:
-    """Every row measured once per round, ``repeats`` rounds, so that a drift of the shared machine's speed during
-    the measurement reaches every row alike, not only the rows measured in its slow minutes. Used for the decode
-    rows, whose ratios compare the rows with each other. The TTFT rows keep their repeats together: interleaved
-    with 16,000-token prompts, the short prompts' TTFTs moved the fit (on a simulator served in the same process,
-    a held-out prefix row left the 0.85-1.15 range in 2 of 5 runs of tests/sim/test_sim_calibrate_live.py)."""
-    samples: dict[str, list[float]] = {s.name: [] for s in specs}
-    for _ in range(repeats):
-        for s in specs:
-            samples[s.name] += await once(s)
-    return samples
-
-
 async def measure(url: str, preempt_url: str | None, repeats: int, settings: dict[str, int],
                   log: Callable[[str], None]) -> dict[str, Any]:
     """Every row measured on the live engine(s); medians of ``repeats`` runs."""
@@ -351,9 +337,16 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         for s in ROW_SPECS:
             if s.kind == "ttft" and s.arg < settings["max_model_len"]:
                 put(s.name, await eng.ttft(s.arg, repeats))  # a longer prompt than the engine serves: no row
+        # The decode rows in rounds (each row once per round), so that a drift of the shared machine's speed
+        # during the measurement reaches them alike: their ratios compare the rows with each other. The TTFT rows
+        # keep their repeats together: interleaved with 16,000-token prompts, the short prompts' TTFTs moved the
+        # fit (a held-out prefix row of tests/sim/test_sim_calibrate_live.py out of range in 2 of 5 runs).
         decode_rows = [s for s in ROW_SPECS if s.kind == "decode"]
-        for name, samples in (await _in_rounds(decode_rows, repeats, lambda s: eng.decode(
-                s.arg, 1, DECODE_PROMPT, DECODE_OUT))).items():
+        decode: dict[str, list[float]] = {s.name: [] for s in decode_rows}
+        for _ in range(repeats):
+            for s in decode_rows:
+                decode[s.name] += await eng.decode(s.arg, 1, DECODE_PROMPT, DECODE_OUT)
+        for name, samples in decode.items():
             put(name, samples)
         long_ttft = median(await eng.ttft(HOL_LONG, repeats))
         offsets = hol_offsets(long_ttft)
