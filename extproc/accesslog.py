@@ -20,7 +20,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from extproc import metrics as m
-from extproc.xds import DEADLINE_HEADERS
+from extproc.head import binding_deadline_s, logged_deadline_s
 
 log = logging.getLogger("sluice.accesslog")
 
@@ -54,15 +54,17 @@ def classify(entry: al.HTTPAccessLogEntry) -> str | None:
     return COMPLETED
 
 
-def client_deadline_passed(entry: al.HTTPAccessLogEntry) -> bool:
-    """The request ended at the route timeout, and the client had sent its own deadline, from which the sidecar
-    set that timeout (`DEADLINE_HEADERS`, logged with each entry: xds.py): the client's time ran out, which says
-    no more about the replica than a client that hung up. A replica that is slow for everyone shows it in its
-    TTFT and pace against its peers (routing/health.py)."""
+def client_deadline_passed(entry: al.HTTPAccessLogEntry, route_timeout_s: float) -> bool:
+    """The request ended at the route timeout, and that timeout was the client's own deadline, from which the
+    sidecar set it (`head.binding_deadline_s`; the deadline headers are logged with each entry: xds.py): the
+    client's time ran out, which says no more about the replica than a client that hung up. A replica that is
+    slow for everyone shows it in its TTFT and pace against its peers (routing/health.py). A timeout at the
+    operator's own route timeout (`gateway.request_timeout_s`, shorter than the client's deadline) stays an
+    error."""
     if not entry.common_properties.response_flags.upstream_request_timeout:
         return False
-    logged = entry.request.request_headers
-    return any(name in logged for name in DEADLINE_HEADERS)
+    deadline = logged_deadline_s(entry.request.request_headers)
+    return binding_deadline_s(deadline, route_timeout_s) is not None
 
 
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):

@@ -87,7 +87,8 @@ class GatewayConfig:
                                             # keeps each request's headers while it runs: 10,000 streams x 60 KiB
                                             # (Envoy's default) would be 600 MB
     stream_idle_timeout_s: float = 0.0      # 0 = derived: longest queue wait + longest expected TTFT + margin
-    request_timeout_s: float = 0.0          # route timeout for a whole response; 0 = none (streams can be long)
+    request_timeout_s: float = 0.0          # route timeout for a whole response; 0 = none (streams can be long).
+                                            # A client's shorter deadline replaces it per request, a longer one not
     num_retries: int = 1                    # Envoy retries on connect failure / refused stream (one per pin entry)
     retry_budget_percent: float = 20.0      # Envoy's own retry budget on replica clusters (P5)
     envoy_concurrency: int = 2              # Envoy worker threads

@@ -124,7 +124,7 @@ class Fleet:
         if sock.address:
             # a first byte from the replica says it was serving, even when the client left (busy is not dead)
             answered = common.HasField("time_to_first_upstream_rx_byte")
-            if outcome == TIMEOUT and client_deadline_passed(entry):
+            if outcome == TIMEOUT and client_deadline_passed(entry, self.policy.gateway.request_timeout_s):
                 outcome = CANCELLED  # the client's own deadline: its doing, like hanging up
             self.health[pool.model].on_outcome(f"{sock.address}:{sock.port_value}", outcome, answered=answered)
 

@@ -26,7 +26,7 @@ from extproc.admission.scheduler import Placement, Shed
 from extproc.budgets import BudgetExceeded, Budgets, OriginalInFlight
 from extproc.config import Policy
 from extproc.fleet import Fleet
-from extproc.head import MAX_DEADLINE_S, STRIPPED_HEADERS, HeaderRoom, read_head, to_int
+from extproc.head import STRIPPED_HEADERS, HeaderRoom, binding_deadline_s, read_head, to_int
 from extproc.identity import Identity, UnknownKey
 from extproc.inflight import InFlight
 from extproc.live_gauges import LiveGauges
@@ -250,10 +250,10 @@ class Gateway:
         st.move(FORWARDED)
         self.gauges.count_replica(placement.replica)
         timeout_ms = None
-        if req.client_timeout_s is not None:
+        deadline = binding_deadline_s(req.client_timeout_s, self.policy.gateway.request_timeout_s)
+        if deadline is not None:
             # Work the client has given up on must be cancelled at the replica (P4).
-            remaining = min(req.client_timeout_s, MAX_DEADLINE_S) - (time.monotonic() - req.arrival)
-            timeout_ms = max(1, int(remaining * 1000))
+            timeout_ms = max(1, int((deadline - (time.monotonic() - req.arrival)) * 1000))
         if st.observer is not None:
             st.observer.start = time.monotonic()  # TTFT counts from the decision, not from queue entry
         if self.streaming.slow_consumer.enabled and req.request_id:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from envoy.config.core.v3 import base_pb2
 
@@ -121,6 +121,27 @@ def to_int(raw: str, default: int = 0) -> int:
         return int(raw)
     except ValueError:
         return default
+
+
+def binding_deadline_s(client_timeout_s: float | None, route_timeout_s: float) -> float | None:
+    """The client's deadline when it ends the request before the route's own timeout (`gateway.request_timeout_s`,
+    0 = none), else None. Only then does the sidecar set Envoy's upstream timeout from it: the header replaces the
+    route's timeout, and a longer deadline (the openai SDK sends 600 s by default) would lift the operator's."""
+    if client_timeout_s is None:
+        return None
+    deadline = min(client_timeout_s, MAX_DEADLINE_S)
+    return deadline if route_timeout_s <= 0 or deadline < route_timeout_s else None
+
+
+def logged_deadline_s(headers: Mapping[str, str]) -> float | None:
+    """The client's deadline from its deadline headers as Envoy's access log carries them, read as `read_head`
+    reads them."""
+    head = Head()
+    for name in (READ_TIMEOUT_HEADER, DEADLINE_MS_HEADER):
+        value = headers.get(name)
+        if value is not None:
+            HEADER_READERS[name](head, value)
+    return head.client_timeout_s
 
 
 def _set_timeout(head: Head, text: str) -> None:

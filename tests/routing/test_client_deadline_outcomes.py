@@ -9,13 +9,16 @@ client that hung up."""
 
 from __future__ import annotations
 
+import orjson
 import yaml
+from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.accesslog import AccessLogReceiver, client_deadline_passed
 from extproc.config import policy_from_dict
 from extproc.gateway import Gateway
-from extproc.xds import DEADLINE_HEADERS, render
+from extproc.xds import DEADLINE_HEADERS, READ_TIMEOUT_HEADER, render
 
 A, B = "10.9.0.1:8000", "10.9.0.2:8000"
 MODEL = "dl-m"
@@ -28,7 +31,7 @@ def _gateway() -> tuple[Gateway, AccessLogReceiver]:
     return gw, receiver
 
 
-def _entry(replica: str, *, timed_out: bool, deadline_header: str | None) -> al.HTTPAccessLogEntry:
+def _entry(replica: str, *, timed_out: bool, deadline_header: str | None, value: str = "1.5") -> al.HTTPAccessLogEntry:
     entry = al.HTTPAccessLogEntry()
     common = entry.common_properties
     common.upstream_cluster = f"pool-{MODEL}"
@@ -41,7 +44,7 @@ def _entry(replica: str, *, timed_out: bool, deadline_header: str | None) -> al.
     else:
         entry.response.response_code.value = 200
     if deadline_header is not None:
-        entry.request.request_headers[deadline_header] = "1.5"
+        entry.request.request_headers[deadline_header] = value
     return entry
 
 
@@ -60,13 +63,40 @@ def test_a_timeout_at_the_clients_own_deadline_is_not_a_replica_error():
 def test_the_outcome_metric_still_says_timeout():
     """Operators still see how the request ended: only health reads it as the client's."""
     entry = _entry(B, timed_out=True, deadline_header="x-sluice-deadline-ms")
-    assert client_deadline_passed(entry)
-    assert not client_deadline_passed(_entry(B, timed_out=True, deadline_header=None))
-    assert not client_deadline_passed(_entry(B, timed_out=False, deadline_header="x-sluice-deadline-ms"))
+    assert client_deadline_passed(entry, 0.0)
+    assert not client_deadline_passed(_entry(B, timed_out=True, deadline_header=None), 0.0)
+    assert not client_deadline_passed(_entry(B, timed_out=False, deadline_header="x-sluice-deadline-ms"), 0.0)
     gw, receiver = _gateway()
     before = _count(receiver, "timeout")
     receiver.handle(entry)
     assert _count(receiver, "timeout") == before + 1
+
+
+async def test_the_operators_route_timeout_stays_when_the_clients_deadline_is_longer():
+    """`gateway.request_timeout_s` 60 s: the openai SDK's default 600 s read timeout must not lift it (the header
+    the sidecar sets replaces the route's timeout), and a timeout there is the operator's limit, which health
+    counts; a client deadline under it is set and, when it passes, is the client's."""
+    gw = Gateway(policy_from_dict({"pools": [{"model": MODEL, "replicas": [A, B]}],
+                                   "gateway": {"request_timeout_s": 60}}))
+    assert await _upstream_timeout_ms(gw, "600") is None
+    assert 29_000 <= await _upstream_timeout_ms(gw, "30") <= 30_000
+    assert not client_deadline_passed(_entry(A, timed_out=True, deadline_header=READ_TIMEOUT_HEADER, value="600"),
+                                      60.0)
+    assert client_deadline_passed(_entry(A, timed_out=True, deadline_header=READ_TIMEOUT_HEADER, value="30"), 60.0)
+
+
+async def _upstream_timeout_ms(gw: Gateway, read_timeout: str) -> int | None:
+    st = gw.open_stream()
+    gw.on_request_headers(st, pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+        base_pb2.HeaderValue(key=READ_TIMEOUT_HEADER, raw_value=read_timeout.encode())])))
+    body = orjson.dumps({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    answer = await gw.on_request_body(st, pb.HttpBody(body=body, end_of_stream=True))
+    gw.close(st)
+    set_headers = answer.request_body.response.header_mutation.set_headers
+    values = [int(h.header.raw_value or h.header.value) for h in set_headers
+              if h.header.key == "x-envoy-upstream-rq-timeout-ms"]
+    return values[0] if values else None
 
 
 def _count(receiver: AccessLogReceiver, outcome: str) -> float:
