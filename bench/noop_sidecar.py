@@ -1,18 +1,21 @@
-"""`python -m bench.noop_sidecar serve --config FILE --worker N ...`: grpc.aio's floor for sluice's ext_proc hop.
+"""`python -m bench.noop_sidecar serve --config FILE --worker N ...`: the floor of sluice's ext_proc hop.
 
-A stand-in for `sluice serve` (same arguments, same ports, same grpc.aio server options and event loop) whose
+A stand-in for `sluice serve` (same arguments, same ports, the same gRPC server and event loop) whose
 servicer decides nothing: it answers the request headers with a prebuilt "continue", the buffered body with a
 prebuilt answer pinning the pool's first replica (the same protobuf shape as the sidecar's forward answer), and
 ends the stream; the access-log stream is read and dropped. The sidecar's CPU per request minus this one's is
-what sluice's own code costs; this one's is grpc.aio's (and Python's) per-stream work for two messages each way.
-Run it in place of `sluice serve` beside the real sidecar, each behind its own Envoy rendered the same way, and
-compare them in one session: `python -m bench.hop_ab base= noop=:bench.noop_sidecar`.
+what sluice's own code costs; this one's is the gRPC server's (and Python's) per-stream work for two messages each
+way. The server is the sidecar's default, extproc/h2grpc.py; `SLUICE_NOOP_SERVER=grpcio` serves it on grpc.aio
+(`sidecar.grpc_server: grpcio`) instead. Run it in place of `sluice serve` beside the real sidecar, each behind its
+own Envoy rendered the same way, and compare them in one session: `python -m bench.hop_ab base= noop=:bench.noop_sidecar`
+(and `noop-aio=:bench.noop_sidecar%SLUICE_NOOP_SERVER=grpcio`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import AsyncIterator
 
@@ -22,6 +25,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc import h2grpc
 from extproc import responses as R
 from extproc.config import load_policy
 from extproc.head import STRIPPED_HEADERS
@@ -63,15 +67,22 @@ class DropAccessLog(als_pb2_grpc.AccessLogServiceServicer):
 async def serve(config: str, worker: int) -> None:
     policy = load_policy(config)
     sc, pool = policy.sidecar, policy.pools[0]
-    server = grpc.aio.server(options=[
-        ("grpc.max_concurrent_streams", 100_000),
-        ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
-        ("grpc.so_reuseport", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ])
     forward = R.forward(pool.cluster, pool.addresses[0], remove_headers=STRIPPED_HEADERS)
-    pb_grpc.add_ExternalProcessorServicer_to_server(NoopServicer(forward), server)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(DropAccessLog(), server)
+    server: grpc.aio.Server | h2grpc.Server
+    if os.environ.get("SLUICE_NOOP_SERVER") == "grpcio":
+        server = grpc.aio.server(options=[
+            ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
+            ("grpc.so_reuseport", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(NoopServicer(forward), server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(DropAccessLog(), server)
+    else:
+        server = h2grpc.Server(max_receive_message_length=policy.limits.max_body_bytes + 65536)
+        server.add_stream_stream(h2grpc.EXT_PROC_PATH, NoopServicer(forward).Process, pb.ProcessingRequest)
+        server.add_stream_unary(h2grpc.ACCESS_LOG_PATH, DropAccessLog().StreamAccessLogs,
+                                als_pb2.StreamAccessLogsMessage)
     server.add_insecure_port(f"{sc.host}:{sc.grpc_port + worker}")
     await server.start()
     app = web.Application()
