@@ -345,7 +345,7 @@ class Placer:
         know (another gateway's, without the shared view) may free at any moment: it counts as freed now, so only
         what the known requests hold can make the wait long.
 
-        With limit_r = capacity x w x (1 - kv_margin):
+        With limit_r = `kv_limit(r, req)` (capacity x w x (1 - kv_margin), or the request's footprint above it):
             room_r      = limit_r - committed(now, lifetime)                   (`kv_fits`' room)
                           less the footprints ahead, each on the replica with the most room left
             deficit_r   = footprint - room_r                                   (<= 0 on some r: None)
@@ -363,7 +363,7 @@ class Placer:
             cap = r.kv_capacity_tokens
             if not cap or not r.engine.scraped_at:
                 return None
-            limits[r] = cap * self.weight(r, now) * (1 - self.policy.kv_margin)
+            limits[r] = self.kv_limit(r, req, now)
         if not limits:
             return None
         footprint = float(req.total_tokens)
@@ -420,9 +420,23 @@ class Placer:
         return math.inf
 
     def max_footprint(self) -> float:
-        """The largest footprint any replica could ever hold (for "can never fit")."""
+        """The largest footprint any replica could ever hold (for "can never fit"): its whole KV cache. The margin
+        is not taken off: a request above the margin line still runs alone on an idle replica (`kv_limit`)."""
         caps = [r.kv_capacity_tokens for r in self.pool.replicas if r.kv_capacity_tokens]
-        return max(caps) * (1 - self.policy.kv_margin) if caps else float("inf")
+        return max(caps) if caps else float("inf")
+
+    def kv_limit(self, r: Replica, req: LLMRequest, now: float) -> float:
+        """The KV `req` may fill on `r`, what it holds already included:
+
+            limit = max(capacity x w x (1 - kv_margin), min(footprint, capacity))
+
+        The margin keeps room for the growth of the requests running beside a new one (P9: no preemption). A
+        request whose own footprint is above the margin line has nothing to share that room with on an idle
+        replica, so its limit is its footprint: it fits where nothing else is committed (`kv_fits`' room is then
+        0), and waits for that otherwise. Refusing it (or holding it to the margin line forever) turned away
+        requests the engine serves: a 3,300-token request on a replica of 3,456 tokens of KV."""
+        cap = r.kv_capacity_tokens
+        return max(cap * self.weight(r, now) * (1 - self.policy.kv_margin), min(float(req.total_tokens), cap))
 
     # ---- the filter ------------------------------------------------------------------------------------
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
@@ -448,8 +462,7 @@ class Placer:
             return QUEUE_FULL
         if work is None:
             work = self.prefill_work(req.prompt_tokens)
-        cap = r.kv_capacity_tokens
-        if cap and not self.kv_fits(r, req, now, cap * w * (1 - pol.kv_margin), work, held):
+        if r.kv_capacity_tokens and not self.kv_fits(r, req, now, self.kv_limit(r, req, now), work, held):
             return KV_FULL
         backlog = self.backlog(r, now)
         if backlog > 0:

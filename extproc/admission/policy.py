@@ -53,7 +53,9 @@ class AdmissionPolicy:
     enabled: bool = True                  # false: no queue, no limits, just pick the least-loaded replica
     lanes: list[LanePolicy] = field(default_factory=default_lanes)  # size classes, by increasing
                                                                      # max_prefill_of_target
-    kv_margin: float = 0.1                # keep this share of each replica's KV cache free (P9: no preemption)
+    kv_margin: float = 0.1                # keep this share of each replica's KV cache free for the growth of
+                                          # the requests running (P9: no preemption); a request too large for
+                                          # the rest runs alone on an idle replica
     kv_capacity_tokens: int = 0           # per replica, when the engine does not export vllm:cache_config_info
     max_concurrency_per_replica: int = 0  # requests this sidecar keeps in flight on one replica; 0 = derived from
                                           # the engine: its learned max_num_seqs (admission/seq_cap.py; 64 for a

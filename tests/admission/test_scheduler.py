@@ -64,6 +64,23 @@ async def test_never_fits_is_rejected_at_once():
     assert exc.value.should_retry is False
 
 
+async def test_a_request_above_the_kv_margin_runs_alone_on_an_idle_replica():
+    # 10,000 tokens of KV, margin 0.1: 9,500 tokens is above the margin line but within the engine's KV. It is
+    # neither refused as too large nor held to the line forever: it waits for the replica to be idle, then runs.
+    s = make(n_replicas=1, kv_margin=0.1, prefill_tokens_per_s=5000,
+             lanes=[{"name": "all", "max_prefill_of_target": 1e6}])
+    t0 = time.monotonic()
+    small = s.submit(req(prompt=100, out=100), t0)
+    assert isinstance(small, Placement)
+    big = s.submit(req(prompt=9000, out=500), t0)
+    assert isinstance(big, Waiter)  # beside a running request it would eat the margin: it waits
+    s.release(small, req(prompt=100, out=100))
+    assert big.future.done() and isinstance(big.future.result(), Placement)
+    with pytest.raises(Shed) as exc:  # beyond the whole KV cache: refused at once, as before
+        s.submit(req(prompt=9000, out=1500), t0)
+    assert exc.value.status == 400 and exc.value.code == "context_length_exceeded"
+
+
 async def test_queue_full_sheds_with_retry_after():
     s = make(n_replicas=1, max_concurrency_per_replica=1,
              lanes=[{"name": "all", "max_prefill_of_target": 1e6, "max_queue": 2}])
