@@ -108,6 +108,7 @@ MAX_TRACKED_TENANTS = 10_000  # decayed arrival counts kept; beyond it, tenants 
 DEADLINE_SHARE = 0.75  # of the client's time left, the most a predicted first token (or answer) may take: the
                        # prediction counts prefill only, and decode steps sharing the engine lengthen it (P5)
 MAX_TENANT_ENTRIES = 64  # per replica, tenant prefill entries before ended ones are pruned
+PROMPT_ESTIMATE_ERROR = 2.0  # how much larger than the truth a prompt's estimate may be (`surely_too_large`)
 STALE_WEIGHT = 0.5  # a serving replica whose metrics are stale takes this share of its weight (issue 16)
 UNSCRAPED_CONCURRENCY = 64  # requests in flight on a replica whose engine exports no metrics (nothing to learn from)
 PROBE_BASE = 8  # while an engine's sequence cap is unknown, placements per scrape interval beyond doubling it
@@ -420,23 +421,32 @@ class Placer:
         return math.inf
 
     def max_footprint(self) -> float:
-        """The largest footprint any replica could ever hold (for "can never fit"): its whole KV cache. The margin
-        is not taken off: a request above the margin line still runs alone on an idle replica (`kv_limit`)."""
+        """The largest KV cache of a replica: a request surely larger can never run (`surely_too_large`)."""
         caps = [r.kv_capacity_tokens for r in self.pool.replicas if r.kv_capacity_tokens]
         return max(caps) if caps else float("inf")
+
+    def surely_too_large(self, req: LLMRequest) -> bool:
+        """`req` cannot run on any replica even if its prompt is PROMPT_ESTIMATE_ERROR times smaller than estimated:
+
+            prompt / PROMPT_ESTIMATE_ERROR + max_tokens x n > the largest replica's KV cache
+
+        Only then is it refused (400, final). The prompt's size is an estimate from its bytes until the engines'
+        counts calibrate it (token_calibration.py): about 1.5x high on 6-byte words. Refused on the estimate alone,
+        requests the engine serves were turned away (real vLLM P9 on a KV cache of 28 blocks, 3,584 tokens: every
+        request of 3,000 prompt tokens and 240 output). A request between this and the KV cache runs alone on an
+        idle replica (`kv_limit`), where the engine, which counts exactly, serves it or refuses it itself."""
+        return req.prompt_tokens / PROMPT_ESTIMATE_ERROR + req.expected_output_tokens > self.max_footprint()
 
     def kv_limit(self, r: Replica, req: LLMRequest, now: float) -> float:
         """The KV `req` may fill on `r`, what it holds already included:
 
-            limit = max(capacity x w x (1 - kv_margin), min(footprint, capacity))
+            limit = max(capacity x w x (1 - kv_margin), footprint)
 
         The margin keeps room for the growth of the requests running beside a new one (P9: no preemption). A
-        request whose own footprint is above the margin line has nothing to share that room with on an idle
-        replica, so its limit is its footprint: it fits where nothing else is committed (`kv_fits`' room is then
-        0), and waits for that otherwise. Refusing it (or holding it to the margin line forever) turned away
-        requests the engine serves: a 3,300-token request on a replica of 3,456 tokens of KV."""
-        cap = r.kv_capacity_tokens
-        return max(cap * self.weight(r, now) * (1 - self.policy.kv_margin), min(float(req.total_tokens), cap))
+        request whose own footprint is above the margin line (or above the whole cache, by its estimate) has
+        nothing to share that room with on an idle replica, so its limit is its footprint: it fits where nothing
+        else is committed (`kv_fits`' room is then 0), and waits for that otherwise."""
+        return max(r.kv_capacity_tokens * self.weight(r, now) * (1 - self.policy.kv_margin), float(req.total_tokens))
 
     # ---- the filter ------------------------------------------------------------------------------------
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,

@@ -216,7 +216,7 @@ class Scheduler:
         pol = self.policy
         prefill_s = self.placer.lane_prefill_s(req)
         lane = pol.lane_for(prefill_s)
-        if req.total_tokens > self.placer.max_footprint():
+        if self.placer.surely_too_large(req):
             self.m.shed(lane, "never_fits")
             raise Shed(400, "context_length_exceeded",
                        f"this request needs about {req.total_tokens} tokens of KV cache (prompt "
