@@ -64,30 +64,26 @@ async def test_never_fits_is_rejected_at_once():
     assert exc.value.should_retry is False
 
 
-async def test_a_request_above_the_kv_margin_runs_alone_on_an_idle_replica():
-    # 10,000 tokens of KV, margin 0.1: 9,500 tokens is above the margin line but within the engine's KV. It is
-    # neither refused as too large nor held to the line forever: it waits for the replica to be idle, then runs.
-    s = make(n_replicas=1, kv_margin=0.1, prefill_tokens_per_s=5000,
+async def test_a_request_too_large_for_the_kv_margin_runs_alone_on_an_idle_replica():
+    # 10,000 tokens of KV, margin 0.1. Neither request below is refused as too large, nor held to the margin line
+    # forever: each waits until the replica is idle, then runs alone. (A TTFT target of 30 s: the prefill backlog
+    # the first one leaves does not keep the second off the replica.)
+    s = make(n_replicas=1, kv_margin=0.1, prefill_tokens_per_s=5000, ttft_target_s=30.0,
              lanes=[{"name": "all", "max_prefill_of_target": 1e6}])
     t0 = time.monotonic()
     small = s.submit(req(prompt=100, out=100), t0)
     assert isinstance(small, Placement)
-    big = s.submit(req(prompt=9000, out=500), t0)
-    assert isinstance(big, Waiter)  # beside a running request it would eat the margin: it waits
+    # 9,500 tokens: above the margin line, within the KV cache
+    above_margin = s.submit(req(prompt=9000, out=500), t0)
+    assert isinstance(above_margin, Waiter)  # beside a running request it would eat the margin: it waits
     s.release(small, req(prompt=100, out=100))
-    assert big.future.done() and isinstance(big.future.result(), Placement)
-
-
-async def test_a_request_estimated_above_the_kv_cache_goes_to_an_idle_replica_for_the_engine_to_judge():
-    # 9,500 + 1,500 estimated against 10,000 tokens of KV: its prompt is an estimate (1.5x high on long words), so
-    # it is not refused; it runs alone, and the engine, counting exactly, serves it or refuses it
-    s = make(n_replicas=2, kv_margin=0.1, prefill_tokens_per_s=5000,
-             lanes=[{"name": "all", "max_prefill_of_target": 1e6}])
-    t0 = time.monotonic()
-    busy = s.submit(req(prompt=100, out=100), t0)
-    assert isinstance(busy, Placement)
-    big = s.submit(req(prompt=9500, out=1500), t0)
-    assert isinstance(big, Placement) and big.replica is not busy.replica
+    assert above_margin.future.done() and isinstance(above_margin.future.result(), Placement)
+    # 11,000 tokens by its estimate, above the whole cache: the prompt is an estimate (1.5x high on long words), so
+    # the engine, which counts exactly, serves it or refuses it
+    above_cache = s.submit(req(prompt=9500, out=1500), t0)
+    assert isinstance(above_cache, Waiter)
+    s.release(above_margin.future.result(), req(prompt=9000, out=500))
+    assert above_cache.future.done() and isinstance(above_cache.future.result(), Placement)
 
 
 async def test_queue_full_sheds_with_retry_after():
