@@ -346,7 +346,7 @@ class Placer:
         know (another gateway's, without the shared view) may free at any moment: it counts as freed now, so only
         what the known requests hold can make the wait long.
 
-        With limit_r = `kv_limit(r, req)` (capacity x w x (1 - kv_margin), or the request's footprint above it):
+        With limit_r = `kv_limit(r, req, w)` (capacity x w x (1 - kv_margin), or the request's footprint above it):
             room_r      = limit_r - committed(now, lifetime)                   (`kv_fits`' room)
                           less the footprints ahead, each on the replica with the most room left
             deficit_r   = footprint - room_r                                   (<= 0 on some r: None)
@@ -364,7 +364,7 @@ class Placer:
             cap = r.kv_capacity_tokens
             if not cap or not r.engine.scraped_at:
                 return None
-            limits[r] = self.kv_limit(r, req, now)
+            limits[r] = self.kv_limit(r, req, self.weight(r, now))
         if not limits:
             return None
         footprint = float(req.total_tokens)
@@ -437,8 +437,8 @@ class Placer:
         idle replica (`kv_limit`), where the engine, which counts exactly, serves it or refuses it itself."""
         return req.prompt_tokens / PROMPT_ESTIMATE_ERROR + req.expected_output_tokens > self.max_footprint()
 
-    def kv_limit(self, r: Replica, req: LLMRequest, now: float) -> float:
-        """The KV `req` may fill on `r`, what it holds already included:
+    def kv_limit(self, r: Replica, req: LLMRequest, w: float) -> float:
+        """The KV `req` may fill on `r` (`w`: its weight now), what it holds already included:
 
             limit = max(capacity x w x (1 - kv_margin), footprint)
 
@@ -446,7 +446,7 @@ class Placer:
         request whose own footprint is above the margin line (or above the whole cache, by its estimate) has
         nothing to share that room with on an idle replica, so its limit is its footprint: it fits where nothing
         else is committed (`kv_fits`' room is then 0), and waits for that otherwise."""
-        return max(r.kv_capacity_tokens * self.weight(r, now) * (1 - self.policy.kv_margin), float(req.total_tokens))
+        return max(r.kv_capacity_tokens * w * (1 - self.policy.kv_margin), float(req.total_tokens))
 
     # ---- the filter ------------------------------------------------------------------------------------
     def why_not(self, r: Replica, req: LLMRequest, lane: int, now: float, ttft_limit_s: float,
@@ -472,7 +472,7 @@ class Placer:
             return QUEUE_FULL
         if work is None:
             work = self.prefill_work(req.prompt_tokens)
-        if r.kv_capacity_tokens and not self.kv_fits(r, req, now, self.kv_limit(r, req, now), work, held):
+        if r.kv_capacity_tokens and not self.kv_fits(r, req, now, self.kv_limit(r, req, w), work, held):
             return KV_FULL
         backlog = self.backlog(r, now)
         if backlog > 0:
