@@ -25,10 +25,10 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc import h2grpc
 from extproc import responses as R
 from extproc.config import load_policy
 from extproc.head import STRIPPED_HEADERS
+from extproc.server import grpc_server
 
 EOF = grpc.aio.EOF
 
@@ -68,21 +68,7 @@ async def serve(config: str, worker: int) -> None:
     policy = load_policy(config)
     sc, pool = policy.sidecar, policy.pools[0]
     forward = R.forward(pool.cluster, pool.addresses[0], remove_headers=STRIPPED_HEADERS)
-    server: grpc.aio.Server | h2grpc.Server
-    if os.environ.get("SLUICE_NOOP_SERVER") == "grpcio":
-        server = grpc.aio.server(options=[
-            ("grpc.max_concurrent_streams", 100_000),
-            ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
-            ("grpc.so_reuseport", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-        ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(NoopServicer(forward), server)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(DropAccessLog(), server)
-    else:
-        server = h2grpc.Server(max_receive_message_length=policy.limits.max_body_bytes + 65536)
-        server.add_stream_stream(h2grpc.EXT_PROC_PATH, NoopServicer(forward).Process, pb.ProcessingRequest)
-        server.add_stream_unary(h2grpc.ACCESS_LOG_PATH, DropAccessLog().StreamAccessLogs,
-                                als_pb2.StreamAccessLogsMessage)
+    server = grpc_server(policy, os.environ.get("SLUICE_NOOP_SERVER", "h2"), NoopServicer(forward), DropAccessLog())
     server.add_insecure_port(f"{sc.host}:{sc.grpc_port + worker}")
     await server.start()
     app = web.Application()

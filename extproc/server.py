@@ -117,6 +117,30 @@ async def _bind_when_free(what: str, start: Callable[[], Awaitable[T]], patience
             await asyncio.sleep(TAKE_OVER_RETRY_S)
 
 
+def grpc_server(policy: Policy, kind: str, servicer: pb_grpc.ExternalProcessorServicer,
+                access_log: als_pb2_grpc.AccessLogServiceServicer | None) -> grpc.aio.Server | h2grpc.Server:
+    """The gRPC server Envoy calls, serving `servicer`'s ext_proc streams and, when given, `access_log`'s stream:
+    `kind` "h2" (the default, extproc/h2grpc.py: about a tenth of grpc.aio's CPU per ext_proc stream, issue #17)
+    or "grpcio" (grpc.aio). bench/noop_sidecar.py builds its server here too, so its floor is this server's."""
+    max_message = policy.limits.max_body_bytes + 65536
+    if kind == "grpcio":
+        server = grpc.aio.server(options=[
+            ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.so_reuseport", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        if access_log is not None:
+            als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+        return server
+    h2 = h2grpc.Server(max_receive_message_length=max_message)
+    h2.add_stream_stream(h2grpc.EXT_PROC_PATH, servicer.Process, ext_proc_pb.ProcessingRequest)
+    if access_log is not None:
+        h2.add_stream_unary(h2grpc.ACCESS_LOG_PATH, access_log.StreamAccessLogs, als_pb2.StreamAccessLogsMessage)
+    return h2
+
+
 async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out: str | None = None,
                 take_over: Path | None = None) -> None:
     """Run until SIGTERM/SIGINT (drain: stop admitting, let in-flight requests finish, exit) or SIGUSR2 (hand
@@ -137,28 +161,13 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
         raise OSError(f"cannot listen on {grpc_addr} (port taken)")
     health: EppHealth | None = None
     access_log: AccessLogReceiver | None = None
-    server: grpc.aio.Server | h2grpc.Server
-    if policy.epp.enabled or sc.grpc_server == "grpcio":
-        server = grpc.aio.server(options=[
-            ("grpc.max_concurrent_streams", 100_000),
-            ("grpc.max_receive_message_length", policy.limits.max_body_bytes + 65536),
-            ("grpc.so_reuseport", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-        ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    else:  # the default: extproc/h2grpc.py, about a tenth of grpc.aio's CPU per ext_proc stream (issue #17)
-        server = h2grpc.Server(max_receive_message_length=policy.limits.max_body_bytes + 65536)
-        server.add_stream_stream(h2grpc.EXT_PROC_PATH, servicer.Process, ext_proc_pb.ProcessingRequest)
-    if policy.epp.enabled:  # the gateway sends the picker no access log; it probes gRPC health instead
+    if policy.epp.enabled:  # the gateway sends the picker no access log; it probes gRPC health instead (grpc.aio)
+        server = grpc_server(policy, "grpcio", servicer, None)
         health = EppHealth()
         health.add_to(server)  # type: ignore[arg-type]
     else:
         access_log = AccessLogReceiver({p.cluster: p.model for p in gateway.pools.values()})
-        if isinstance(server, h2grpc.Server):
-            server.add_stream_unary(h2grpc.ACCESS_LOG_PATH, access_log.StreamAccessLogs,
-                                    als_pb2.StreamAccessLogsMessage)
-        else:
-            als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+        server = grpc_server(policy, sc.grpc_server, servicer, access_log)
         gateway.attach_access_log(access_log)
     state = {"ready": False}
     runner = web.AppRunner(make_http_app(gateway, state), access_log=None)
