@@ -38,7 +38,11 @@ as dead).
                 mean requests in the engine >= tps_min_busy, requests are in the engine now, the window spans
                 >= tps_min_span_s, and the access log shows no request answered by it within that span (vLLM
                 refreshes its counters in lumps seconds apart: a flat counter alone may be a late lump; a hung
-                engine answers nothing)
+                engine answers nothing), unless the replica keeps pace with its peers as for ttft_p95
+                (`keeps_pace`). Long prompts slow every replica's decode together (each step prefills a chunk
+                and decodes one token per request: P10's prompt change), and so do hundreds of streams on
+                equally loaded replicas (P12): a replica that processes as many tokens as its peers is busy,
+                not hung. A hung one processes none; alone in its pool it has no peers and the floor decides.
   error_rate    (failed + timeout) / finished requests from Envoy's access log over error_window_s >
                 error_rate_degraded + the pooled rate of the other serving (not ejected) replicas, with
                 >= error_min_samples (cancelled: the client's doing, not counted, and so is a timeout at the
@@ -359,7 +363,7 @@ class HealthTracker:
         if ((span is None or span >= p.tps_min_span_s) and run_avg + wait_avg >= p.tps_min_busy
                 and e.running + e.waiting > 0 and tr.served_at < now - (span or p.tps_min_span_s)):
             per_request = e.generation_tps / max(run_avg, 1.0)
-            if per_request < p.tps_floor_per_request:
+            if per_request < p.tps_floor_per_request and not (pace and self.keeps_pace(r, now)):
                 return TPS, (f"{per_request:.3g} generated tokens/s per running request < "
                              f"{p.tps_floor_per_request:g} ({run_avg:.1f} running, {wait_avg:.1f} waiting), "
                              f"no request answered")

@@ -23,7 +23,8 @@ class HealthPolicy:
                                       # replica (a p95 of 2 samples says nothing)
     tps_floor_per_request: float = 2.0  # generated tokens/s per running request (window mean of running) below
                                         # this while requests are in the engine -> DEGRADED ("TPS fell from 50 to
-                                        # 3", or a hang: 0)
+                                        # 3", or a hang: 0), unless it processes tokens at its peers' pace (long
+                                        # prompts or many streams slow every replica's decode together)
     tps_min_busy: float = 1.0         # the window's mean requests in the engine (running + waiting) needed before
                                       # the TPS floor is judged (an idle or nearly idle replica generates nothing
                                       # and is fine)

@@ -803,3 +803,18 @@ def test_a_flat_token_counter_is_no_collapse_while_requests_are_answered():
     scrape(a, 6.0, running=4, tps=0.0, span=3.0, samples=0)  # the completion is older than the window now
     tr.on_scrape_round(6.0)
     assert a.state == DEGRADED
+
+
+def test_slow_decode_on_every_replica_is_load_not_a_collapse():
+    """Long prompts slow every replica's decode together (each engine step prefills a chunk and decodes one token
+    per request, P10), and so do hundreds of streams on equally loaded replicas (P12): replicas that process
+    tokens at their peers' pace stay HEALTHY, while one that processes none beside them is hung."""
+    pool, tr = make(3)
+    a, b, c = pool.replicas
+    for r in (a, b):  # 1 generated token/s per running request, but 3,000 prompt tokens/s prefilled
+        scrape(r, 3.0, running=4, tps=4.0, prompt_tps=3000.0, span=3.0, samples=0)
+    scrape(c, 3.0, running=4, tps=0.0, prompt_tps=0.0, span=3.0, samples=0)  # hung: nothing at all
+    tr.on_scrape_round(3.0)
+    assert (a.state, b.state) == (HEALTHY, HEALTHY)
+    assert c.state == DEGRADED and c.state_reason.startswith("tps_collapse")
+    assert transitions(pool, a, HEALTHY, DEGRADED, "tps_collapse") == 0.0
