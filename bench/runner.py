@@ -46,7 +46,7 @@ import aiohttp
 from bench.backends import SimBackend, VllmBackend, make_backend
 from bench.capacity import BENCH_PRESET, LOAD_SCALE, EngineSpec, capacity_rps
 from bench.openloop import Record, raise_nofile, run_open_loop
-from bench.procstat import rss_bytes
+from bench.procstat import cpu_seconds, rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
 from bench.scenarios.base import (MODEL, RunData, Scenario, Workload, scale_arrivals, set_workload_rep,
                                   worst_class_ratio)
@@ -188,6 +188,20 @@ def _sample_rss(parts: dict[str, list[int]], run: RunData, t: float) -> None:
     per = run.extra.setdefault("rss", {})
     for part, value in by_part.items():
         per.setdefault(part, []).append((t, value))
+
+
+def _cpu_by_part(stacks: list[Stack]) -> dict[str, float]:
+    """CPU seconds used so far by the gateways' processes, by part (Envoy, the sidecar workers, smg; a process
+    that has exited counts 0)."""
+    out: dict[str, float] = {}
+    for stack in stacks:
+        for part, pids in _gateway_pids(stack).items():
+            for pid in pids:
+                try:
+                    out[part] = out.get(part, 0.0) + cpu_seconds(pid)
+                except OSError:
+                    out.setdefault(part, 0.0)
+    return out
 
 
 def parse_prom(text: str, wanted: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -405,6 +419,9 @@ def diagnostics(run: RunData) -> dict[str, Any]:
                     for lbl, v in parse_prom_labels(text, name) if v and not name.endswith("_created")}
             if vals:
                 out[key] = vals
+    cpu = run.extra.get("gateway_cpu_s")
+    if cpu:
+        out["gateway_cpu_s"] = cpu  # a cost next to the wins: CPU the gateway's processes used while serving
     envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
     if envoy:
         out["envoy"] = envoy
@@ -462,6 +479,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
         if not started.is_set():
             waiter.cancel()
             await load  # raises the generator's error (a bad workload), never hangs here
+        cpu_start = _cpu_by_part(gateways or [stack])
         poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop, backend))
         helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
                    asyncio.create_task(sc.during(ctl, run, quick))]
@@ -477,6 +495,9 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
                 await _settle(backend, run, side, sc.settle_s)
             stop.set()
             await poller
+            cpu_end = _cpu_by_part(gateways or [stack])
+            run.extra["gateway_cpu_s"] = {part: round(cpu_end.get(part, 0.0) - used, 2)
+                                          for part, used in cpu_start.items()}
         await _final(stack, run, side, backend)
 
 
