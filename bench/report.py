@@ -20,6 +20,9 @@ COMMON = (  # every scenario's whole-cost metrics (bench/scenarios/base.py: slo_
                         "retries included, and completed) per second of offered load", "req/s", "higher"),
     ("worst_class_ratio", "sluice only: min over classes of its class SLO goodput / the best baseline's "
                           "(refused-by-design classes left out)", "x", "higher"),
+    ("gateway_cpu_s", "CPU seconds the gateway's processes (Envoy and the sidecar, or smg) used from the first "
+                      "request to the end of the drain: on this machine it is taken from the replicas and the "
+                      "clients", "s", "lower"),
 )
 
 

@@ -410,6 +410,13 @@ SMG_DIAG = ("smg_worker_retries_total", "smg_router_upstream_responses_total", "
             "smg_worker_overload_fallback_total", "smg_cache_aware_policy_branch_total")
 
 
+def gateway_cpu(run: RunData) -> dict[str, float]:
+    """`gateway_cpu_s`: the CPU seconds all the gateway's processes used while serving (`drive`), a cost every
+    scenario reports next to its goodput; its parts are under `diagnostics.gateway_cpu_s`."""
+    parts = run.extra.get("gateway_cpu_s")
+    return {"gateway_cpu_s": round(sum(parts.values()), 2)} if parts else {}
+
+
 def diagnostics(run: RunData) -> dict[str, Any]:
     out: dict[str, Any] = {}
     text = run.extra.get("sidecar_prom_text")
@@ -607,7 +614,7 @@ def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, work
             if records_dir is not None:
                 write_records(run, records_dir / f"{sc.id}-{system}-seed{seed + k}.jsonl")
             try:
-                metrics.append({**sc.slo(run), **sc.metrics(run), "diagnostics": diagnostics(run)})
+                metrics.append({**sc.slo(run), **sc.metrics(run), **gateway_cpu(run), "diagnostics": diagnostics(run)})
             except Exception as exc:  # noqa: BLE001 - the other repetitions still count
                 traceback.print_exc()
                 info["error"] = f"metrics failed: {exc}"

@@ -107,3 +107,34 @@ def test_records_writes_every_attempt_of_each_run(tmp_path: Path, monkeypatch: p
     lines = [json.loads(x) for x in (tmp_path / "rec" / "P3-sluice-seed6.jsonl").read_text().splitlines()]
     assert [(x["attempt"], x["status"], x["retry_after_s"]) for x in lines] == [(0, 429, 0.5), (1, 200, None)]
     assert lines[1]["tokens"] == 4 and lines[1]["first_token"] == 0.8
+
+
+def test_every_run_reports_its_gateways_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`gateway_cpu_s`: the CPU the gateway's processes used while serving, a cost in every scenario's table, read
+    from /proc for the stack's own children (Envoy, the sidecar workers, smg) and nothing else."""
+    import os
+    import types
+
+    import bench.runner as runner
+
+    me = types.SimpleNamespace(pid=os.getpid())
+    stack = types.SimpleNamespace(children=[types.SimpleNamespace(name="sidecar[0]", proc=me),
+                                            types.SimpleNamespace(name="sim 127.0.0.1:1", proc=me),
+                                            types.SimpleNamespace(name="envoy", proc=None)])
+    before = runner._cpu_by_part([stack])
+    sum(i * i for i in range(300_000))  # spend some CPU in "the sidecar"
+    after = runner._cpu_by_part([stack])
+    assert set(before) == {"sidecar"} and after["sidecar"] > before["sidecar"]  # replicas are not the gateway
+
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        run.records = [Record(user=0, attempt=0, sdk_attempt=0, kind="short", start=0.0, first_token=0.1, end=0.2,
+                              status=200, done=True)]
+        run.extra["gateway_cpu_s"] = {"envoy": 0.5, "sidecar": 0.25} if system == "sluice" else {"envoy": 0.4}
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    out = run_scenarios([_Fake()], ["sluice", "envoy-rr"], quick=True, seed=1, results_dir=tmp_path, plots=False)
+    assert out["P3"]["sluice"]["gateway_cpu_s"] == 0.75 and out["P3"]["envoy-rr"]["gateway_cpu_s"] == 0.4
+    assert out["P3"]["sluice"]["diagnostics"]["gateway_cpu_s"] == {"envoy": 0.5, "sidecar": 0.25}
+    assert "| `gateway_cpu_s` (s) | 0.4 | 0.75 | lower |" in (tmp_path / "P3.md").read_text()
