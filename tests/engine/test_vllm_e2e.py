@@ -183,20 +183,25 @@ def test_sidecar_parses_vllm_metrics(stack: tuple[Stack, Engine]) -> None:
     # time and the status samples below stalled for tens of seconds (seen in faulthandler dumps). Killing the
     # child closes its connections, and vLLM aborts a request whose client disconnects.
     peak = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    seen: dict = {"samples": 0, "admin_errors": 0, "last": None}  # what a failure message reports
 
     def full() -> bool:
         try:
             r = replica_status(s)
-        except AdminError:
+        except AdminError as exc:
             # the full engine takes both cores, and a status call may miss its 5 s deadline while the sidecar
             # waits for CPU (its scrapes time out then too): that sample is skipped, the 40 s bound stays
+            seen["admin_errors"] += 1
+            seen["last"] = str(exc)[:200]
             return False
+        seen["samples"] += 1
+        seen["last"] = {k: r.get(k) for k in ("state", "running", "waiting", "kv_usage", "scrape_age_s")}
         for k in peak:  # vLLM refreshes its gauges in lumps, so the sidecar's view is sampled over the busy period
             peak[k] = max(peak[k], float(r[k]))
         return peak["running"] == MAX_NUM_SEQS and peak["waiting"] >= 1 and peak["kv_usage"] > 0
 
     with engine_load(e, streams=2 * MAX_NUM_SEQS, seconds=90):
-        assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}"
+        assert wait_until(full, 40), f"sidecar's peak view of the full engine: {peak}; status calls: {seen}"
         assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MAX_NUM_SEQS
 
     def ttft_seen() -> bool:  # keep first tokens coming, so every scrape window has TTFT observations
