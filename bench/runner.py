@@ -190,18 +190,28 @@ def _sample_rss(parts: dict[str, list[int]], run: RunData, t: float) -> None:
         per.setdefault(part, []).append((t, value))
 
 
-def _cpu_by_part(stacks: list[Stack]) -> dict[str, float]:
-    """CPU seconds used so far by the gateways' processes, by part (Envoy, the sidecar workers, smg; a process
-    that has exited counts 0)."""
-    out: dict[str, float] = {}
+def _cpu_by_process(stacks: list[Stack]) -> dict[tuple[str, int], float]:
+    """CPU seconds used so far by each of the gateways' processes, keyed by (part, pid): Envoy, the sidecar
+    workers, smg. A process that cannot be read (it has exited) is left out."""
+    out: dict[tuple[str, int], float] = {}
     for stack in stacks:
         for part, pids in _gateway_pids(stack).items():
             for pid in pids:
                 try:
-                    out[part] = out.get(part, 0.0) + cpu_seconds(pid)
+                    out[(part, pid)] = cpu_seconds(pid)
                 except OSError:
-                    out.setdefault(part, 0.0)
+                    pass
     return out
+
+
+def _cpu_used(start: dict[tuple[str, int], float], end: dict[tuple[str, int], float]) -> dict[str, float]:
+    """CPU seconds per part between two `_cpu_by_process` readings, over the processes present in both."""
+    used: dict[str, float] = {}
+    for (part, pid), before in start.items():
+        after = end.get((part, pid))
+        if after is not None:
+            used[part] = used.get(part, 0.0) + after - before
+    return {part: round(v, 2) for part, v in used.items()}
 
 
 def parse_prom(text: str, wanted: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -486,7 +496,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
         if not started.is_set():
             waiter.cancel()
             await load  # raises the generator's error (a bad workload), never hangs here
-        cpu_start = _cpu_by_part(gateways or [stack])
+        cpu_start = _cpu_by_process(gateways or [stack])
         poller = asyncio.create_task(_poll(stack, run, sc, side, t0, stop, backend))
         helpers = [asyncio.create_task(_faults(ctl, wl, ts)),
                    asyncio.create_task(sc.during(ctl, run, quick))]
@@ -502,9 +512,7 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
                 await _settle(backend, run, side, sc.settle_s)
             stop.set()
             await poller
-            cpu_end = _cpu_by_part(gateways or [stack])
-            run.extra["gateway_cpu_s"] = {part: round(cpu_end.get(part, 0.0) - used, 2)
-                                          for part, used in cpu_start.items()}
+            run.extra["gateway_cpu_s"] = _cpu_used(cpu_start, _cpu_by_process(gateways or [stack]))
         await _final(stack, run, side, backend)
 
 

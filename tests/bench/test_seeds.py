@@ -121,10 +121,17 @@ def test_every_run_reports_its_gateways_cpu(tmp_path: Path, monkeypatch: pytest.
     stack = types.SimpleNamespace(children=[types.SimpleNamespace(name="sidecar[0]", proc=me),
                                             types.SimpleNamespace(name="sim 127.0.0.1:1", proc=me),
                                             types.SimpleNamespace(name="envoy", proc=None)])
-    before = runner._cpu_by_part([stack])
-    sum(i * i for i in range(300_000))  # spend some CPU in "the sidecar"
-    after = runner._cpu_by_part([stack])
-    assert set(before) == {"sidecar"} and after["sidecar"] > before["sidecar"]  # replicas are not the gateway
+    import time
+
+    before = runner._cpu_by_process([stack])
+    assert set(before) == {("sidecar", os.getpid())}  # the replicas are not the gateway; Envoy never started
+    deadline = time.monotonic() + 5.0
+    while runner._cpu_by_process([stack]) == before and time.monotonic() < deadline:
+        sum(i * i for i in range(100_000))  # spend CPU in "the sidecar" until the kernel's tick counts it
+    after = runner._cpu_by_process([stack])
+    used = runner._cpu_used(before, after)
+    assert set(used) == {"sidecar"} and used["sidecar"] > 0
+    assert runner._cpu_used(before, {}) == {}  # a process gone by the end counts nothing, never negative
 
     def fake_run_one(sc, system, quick, seed, workdir, backend=None):
         run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
