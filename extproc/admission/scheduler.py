@@ -209,6 +209,7 @@ class Scheduler:
     def calibrate(self, req: LLMRequest) -> None:
         """Put the request's prompt estimate in the engines' units, before anything is decided from it."""
         req.prompt_tokens = self.calibration.apply(req.prompt_tokens)
+        req.prompt_units = self.calibration.epoch
 
     # ---- submit ----------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest, now: float) -> Placement | Waiter:

@@ -22,21 +22,33 @@ tokens, their ratio is the estimate's error; every new estimate is multiplied by
 - Restarts and sick replicas: a counter that went down (the engine's, or this sidecar's for a replica removed and
   added again by reloads), or a replica not HEALTHY, is left out.
 
-The factor moves by at most MAX_STEP per window: estimates feed the prompt-shift detector (P10), which must not
-read the calibration converging as a change of the app's prompts. It stays within [1 / BOUND, BOUND].
+The first window sets the factor to its whole measured ratio: a pool's text mix is far from 4 bytes per token
+from the start (1.58x on the real-engine rig's text), and every request until the factor fits is mis-laned (P7
+on real engines: 5,000-token prompts estimated at 8,000 predicted a 0.7 s prefill at 2.7 s, the long lane, one
+replica at a time). Later windows move it by at most MAX_STEP (with weight ALPHA): the mix changes slowly, and a
+change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
+so a factor that moves by more than MAX_STEP starts a new `epoch`: each estimate carries the epoch it was made in
+(`LLMRequest.prompt_units`), and the detector learns an app's baseline again in the new one rather than read the
+change of units as a change of the app's prompts (budgets/prompt_shift.py). The factor stays within
+[1 / BOUND, BOUND].
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from extproc.routing.pool import HEALTHY, Replica
 
 WINDOW_TOKENS = 30_000  # estimated prompt tokens per measurement (about 10-20 requests of a typical chat mix)
 MIN_REQUESTS = 10       # ... and at least this many prefills counted by the engines
-ALPHA = 0.7             # weight of a new window (geometric): the text mix of a pool changes slowly
-MAX_STEP = 1.15         # no window moves the factor by more than this factor either way
+ALPHA = 0.7             # weight of a window after the first (geometric): the text mix of a pool changes slowly
+MAX_STEP = 1.15         # no window after the first moves the factor by more than this factor either way
 BOUND = 3.0             # the factor stays within [1 / BOUND, BOUND]
+
+# Epochs are numbered across every calibration of the process, so a calibration built anew (a reload that turns it
+# on or off: its estimates are raw again) starts an epoch later than any estimate made before it.
+_epochs = itertools.count()
 
 
 @dataclass(slots=True)
@@ -61,6 +73,7 @@ class TokenCalibration:
         # and requests placed.
         self._real = self._real_n = self._est = self._est_n = 0.0
         self.windows = 0  # measurements taken (for tests and the admin view)
+        self.epoch = next(_epochs)  # a new one whenever a window moves the factor by more than MAX_STEP
 
     def update(self, replicas: list[Replica], now: float) -> float:
         """Add the new scrapes' intervals to the window; close it when it holds enough. Returns the factor."""
@@ -72,14 +85,22 @@ class TokenCalibration:
                 s = self.seen[r.address] = _Seen()
             self._observe(s, r)
         if self._est >= WINDOW_TOKENS and self._real_n >= MIN_REQUESTS and self._est_n >= MIN_REQUESTS:
-            real_mean = self._real / self._real_n
-            est_mean = self._est / self._est_n
-            step = (real_mean / est_mean) ** ALPHA
-            step = min(MAX_STEP, max(1.0 / MAX_STEP, step))
-            self.factor = min(BOUND, max(1.0 / BOUND, self.factor * step))
-            self._real = self._real_n = self._est = self._est_n = 0.0
-            self.windows += 1
+            self._close_window(self._real / self._real_n, self._est / self._est_n)
         return self.factor
+
+    def _close_window(self, real_mean: float, est_mean: float) -> None:
+        """The factor after a window: x (real / estimated) on the first, x (real / estimated) ^ ALPHA within
+        MAX_STEP either way later; always within [1 / BOUND, BOUND]."""
+        first = self.windows == 0
+        step = real_mean / est_mean
+        if not first:
+            step = min(MAX_STEP, max(1.0 / MAX_STEP, step ** ALPHA))
+        old = self.factor
+        self.factor = min(BOUND, max(1.0 / BOUND, old * step))
+        if first and max(self.factor / old, old / self.factor) > MAX_STEP:
+            self.epoch = next(_epochs)  # only the first window can move the factor by more than MAX_STEP
+        self._real = self._real_n = self._est = self._est_n = 0.0
+        self.windows += 1
 
     def _observe(self, s: _Seen, r: Replica) -> None:
         e = r.engine

@@ -76,7 +76,7 @@ class Charge:
     `charged` is the store's record of it (ops.Charged); the rest is what settling reports on."""
 
     __slots__ = ("charged", "backend", "admitted_at", "tenant", "app", "model", "prefix_key", "is_retry",
-                 "est_prompt", "est_total", "settled")
+                 "est_prompt", "prompt_units", "est_total", "settled")
 
     def __init__(self, charged: Charged, backend: str, now: float, req: LLMRequest, is_retry: bool) -> None:
         self.charged = charged
@@ -88,6 +88,7 @@ class Charge:
         self.prefix_key = req.prefix_key
         self.is_retry = is_retry
         self.est_prompt = req.prompt_tokens
+        self.prompt_units = req.prompt_units  # the calibration epoch est_prompt is in (token_calibration.py)
         self.est_total = req.total_tokens
         self.settled = False
 
@@ -233,7 +234,8 @@ class Budgets:
                     mem.settle_sync(op)
                 else:
                     await self.store.settle(op, charge.backend)
-            self._settled(charge, completed, actual, pt, completion_tokens, op.now if op else now)
+            self._settled(charge, completed, actual, pt, prompt_tokens is None, completion_tokens,
+                          op.now if op else now)
         except Exception:  # settle runs in `finally`: never mask the request's own outcome
             self._settle_failed()
 
@@ -252,7 +254,8 @@ class Budgets:
             op, actual, pt = self._settle_op(charge, prompt_tokens, completion_tokens, now)
             if op is not None:
                 self._memory.settle_sync(op)
-            self._settled(charge, completed, actual, pt, completion_tokens, op.now if op else now)
+            self._settled(charge, completed, actual, pt, prompt_tokens is None, completion_tokens,
+                          op.now if op else now)
         except Exception:
             self._settle_failed()
 
@@ -268,11 +271,14 @@ class Budgets:
                       task_delta=delta, quota_delta=delta, idle_s=self.policy.tasks.idle_s)
         return op, actual, pt
 
-    def _settled(self, charge: Charge, completed: bool, actual: int, pt: int, completion_tokens: int | None,
-                 now: float | None) -> None:
+    def _settled(self, charge: Charge, completed: bool, actual: int, pt: int, estimated: bool,
+                 completion_tokens: int | None, now: float | None) -> None:
+        """`estimated`: `pt` is the admission estimate (no usage reported), in the calibration epoch
+        `charge.prompt_units`; otherwise the engine's own count."""
         self.tenants.charged(charge.tenant, actual)
         if completed:
-            self.prompt_shift.observe(charge.app, charge.model, charge.prefix_key, pt, completion_tokens, now)
+            self.prompt_shift.observe(charge.app, charge.model, charge.prefix_key, pt, completion_tokens, now,
+                                      units=charge.prompt_units if estimated else None)
 
     def _settle_failed(self) -> None:
         self._settle_errors += 1

@@ -28,6 +28,11 @@ change the new requests take seconds to complete, or none completes while the po
 no request of the new prompt completed in the 7 s after the change), and a gauge fed by completions kept the old
 prompt's capacity.
 
+A prompt's cost is the engine's count where the response reported usage, else the admission estimate, in the
+units of the token calibration (admission/token_calibration.py). Its first measurement can rescale every estimate
+at once (1.58x on real engines): that starts a new calibration epoch, and the app's baseline is learned again from
+estimates of the new epoch, so the calibration converging never reads as a prompt change.
+
 State is bounded: at most `max_apps` apps (later apps collapse into `other`, which is tracked but never alerts)
 and `max_fingerprints_per_app` fingerprints per app (least recently seen evicted).
 """
@@ -66,7 +71,7 @@ class _App:
                  "baseline", "base_prompt", "base_completion", "base_med", "warm_med", "warm_med_n",
                  "completion_mean", "completion_known",
                  "ring_p", "ring_c", "ring_f", "pos", "filled", "sum_p", "sum_c", "over", "run_fps", "stable_fp",
-                 "fps", "events", "last_event", "ratio", "adm_prompt", "adm_pos", "adm_n", "adm_sum",
+                 "fps", "events", "last_event", "ratio", "adm_prompt", "adm_pos", "adm_n", "adm_sum", "units",
                  "g_total", "g_prompt", "g_completion", "g_base", "g_ratio", "c_events", "g_capacity")
 
     def __init__(self, name: str, k: int) -> None:
@@ -102,6 +107,7 @@ class _App:
         self.adm_pos = 0
         self.adm_n = 0
         self.adm_sum = 0.0
+        self.units: dict[str, int] = {}  # per model, the calibration epoch of the estimates compared
         # The recent means, baseline and ratio are read when Prometheus scrapes, not set per request.
         self.g_total = metrics.PROMPT_COST.labels(name, "total")
         self.g_total.set_function(lambda: self.mean(self.sum_p + self.sum_c))
@@ -119,6 +125,18 @@ class _App:
     def mean(self, total: float) -> float:
         """`total` over the requests in the recent window (0 before the first)."""
         return total / self.filled if self.filled else 0.0
+
+    def restart(self) -> None:
+        """Learn the baseline again from the next requests: the ones seen so far are in other units."""
+        k = len(self.ring_p)
+        self.warm_n = self.warm_med_n = 0
+        self.warm_prompt = self.warm_completion = self.warm_med = self.base_med = 0.0
+        self.baseline = None
+        self.ring_p, self.ring_c, self.ring_f = [0.0] * k, [0.0] * k, [0] * k
+        self.pos = self.filled = self.over = 0
+        self.sum_p = self.sum_c = 0.0
+        self.run_fps.clear()
+        self.ratio = 1.0
 
     def admit(self, prompt: float) -> None:
         """One admitted request's estimated prompt into the ring of the last k."""
@@ -175,12 +193,19 @@ class PromptShiftTracker:
         return None if st is None else self._capacity(st.model, st.admitted_prompt())
 
     def observe(self, app: str, model: str, prefix_key: int, prompt_tokens: int,
-                completion_tokens: int | None, now: float | None = None) -> dict[str, Any] | None:
-        """Account one completed request. Returns the event dict when this request completed a shift."""
+                completion_tokens: int | None, now: float | None = None,
+                units: int | None = None) -> dict[str, Any] | None:
+        """Account one completed request. Returns the event dict when this request completed a shift.
+
+        `units`: the token calibration's epoch its `prompt_tokens` estimate was made in (None: the engine counted
+        them). Estimates of a later epoch restart the app's baseline (the calibration changed the units, not the
+        app its prompts); one of an earlier epoch (a request in flight across the change) is left out."""
         if not self.policy.enabled:
             return None
         st = self._app(app)
         st.model = model
+        if units is not None and not self._same_units(st, model, units):
+            return None
         st.requests += 1
         prompt = float(prompt_tokens)
         if completion_tokens is None:
@@ -243,6 +268,17 @@ class PromptShiftTracker:
         if st.over < k or st.name == OTHER:
             return None
         return self._emit(st, mean, med, now)
+
+    @staticmethod
+    def _same_units(st: _App, model: str, units: int) -> bool:
+        """False for an estimate older than the app's units; a newer one restarts the app's baseline."""
+        seen = st.units.get(model)
+        if seen is not None and units < seen:
+            return False
+        if seen is not None and units > seen:
+            st.restart()
+        st.units[model] = units
+        return True
 
     def _fingerprint(self, st: _App, fp: int, prompt: float, completion: float, now: float | None) -> None:
         fps = st.fps

@@ -139,3 +139,32 @@ async def test_capacity_gauge_follows_the_admitted_requests_before_any_completes
     s = {x["app"]: x for x in b.snapshot()["prompt_shift"]}["p10"]
     assert s["capacity_rps"] == pytest.approx(10000 / 5500)
     await b.close()
+
+
+@pytest.mark.asyncio
+async def test_a_change_of_estimate_units_is_not_a_prompt_shift() -> None:
+    """The token calibration's first window rescales every estimate at once (1.58x on real engines) and starts a
+    new epoch: the app's baseline is learned again in it, not compared across it. A request estimated before the
+    change and completed after it is left out; a real change of the app's prompts later is still seen."""
+    b = Budgets(parse_section("budgets", {"prompt_shift": {"baseline_requests": 5, "sustain_requests": 3}}), cap)
+    await b.start()
+
+    async def serve(prompt: int, units: int, n: int) -> None:
+        for _ in range(n):  # streamed without usage: the estimate is the cost
+            c = await b.admit(req(prompt, 100, model="llama", app="chat", prompt_units=units))
+            await b.settle(c, completed=True, prompt_tokens=None, completion_tokens=100)
+
+    def state() -> dict:
+        return {x["app"]: x for x in b.snapshot()["prompt_shift"]}["chat"]
+
+    await serve(8000, 0, 10)  # raw heuristic, epoch 0: a baseline of 8,100
+    assert state()["baseline_tokens_per_request"] == 8100.0
+    late = await b.admit(req(8000, 100, model="llama", app="chat", prompt_units=0))
+    await serve(5100, 1, 10)  # the same prompts in the engine's units: no event, a new baseline
+    assert state()["shift_events"] == 0 and state()["baseline_tokens_per_request"] == 5200.0
+    await b.settle(late, completed=True, prompt_tokens=None, completion_tokens=100)  # epoch 0, completed late
+    assert state()["recent_tokens_per_request"] == 5200.0
+    await serve(10200, 1, 5)  # the app's prompts double: one event, against the relearned baseline
+    s = state()
+    assert s["shift_events"] == 1 and s["last_event"]["old_tokens_per_request"] == 5200.0
+    await b.close()
