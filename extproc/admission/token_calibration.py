@@ -8,25 +8,38 @@ the queue behind prefills that had already ended.
 
 The engines count the real tokens (`vllm:prompt_tokens_total`, `sglang:prompt_tokens_total`, counted when a
 request's prefill ends) and the requests whose prefill ended (the TTFT histogram's count), so they tell the mean
-real prompt per request. This sidecar knows the mean estimate of the requests it sent. Over a window of enough
-tokens, their ratio is the estimate's error; every new estimate is multiplied by the factor learned from it
-(`Scheduler.calibrate`).
+real prompt per request. This sidecar knows what it estimated for the same requests: per replica, its placements
+in order; each prefill the engine counts is matched with the oldest placement not matched yet (engines schedule
+first come, first served), in raw estimate tokens (before calibration: the placement's estimate / the factor it
+was made with). Over a window of enough tokens:
 
+    target = mean real prompt of the prefills counted / mean raw estimate of the placements matched to them
+
+and every new estimate is the raw one x the factor learned from it (`Scheduler.calibrate`).
+
+- Matched, not as they happen: when an app's prompts grow 5.5x (P10), the engine prefills the old ones from its
+  queue for seconds while the new ones are placed. Compared as they happened, that lag read as an estimate error
+  (P10 at a86b7b4, whose first window took the whole ratio: the app's capacity estimated 1.39x too high). In raw
+  units, a factor that changed while a request waited does not feed back into its own measurement.
 - Means, not sums: a replica that lags behind (a slow or sick one still prefilling what it was sent, P8) finishes
   fewer prompts, but their mean size is the same. Comparing sums counted the lag as an estimate error: a sick
   replica's unprefilled prompts read as "the sidecar overestimates", the factor fell, and every replica was
   overfilled (measured in P8: TTFT p95 0.53 s against 0.07 s without calibration).
+- What the engine never counts (a request aborted while it waited) would shift the matching: at most the engine's
+  waiting requests + 1 (the one prefilling) + the placements since the scrape stay unmatched; older ones are
+  dropped.
 - Other senders (the other workers of this sidecar, `sidecar.workers`, and other sidecars of the gateway) are
-  counted by the engines too, and change nothing: they send the same mix of prompts, so the means agree. A client
+  counted by the engines too, and change nothing: their prefills match this sidecar's placements early, but they
+  send the same mix of prompts, so the means agree. A client
   that bypasses the gateway with a different mix would bias the factor (within its bounds); it is not detected.
 - Restarts and sick replicas: a counter that went down (the engine's, or this sidecar's for a replica removed and
   added again by reloads), or a replica not HEALTHY, is left out.
 
-The first window sets the factor to its whole measured ratio: a pool's text mix is far from 4 bytes per token
+The first window sets the factor to its target: a pool's text mix is far from 4 bytes per token
 from the start (1.58x on the real-engine rig's text), and every request until the factor fits is mis-laned (P7
 on real engines: 5,000-token prompts estimated at 8,000 predicted a 0.7 s prefill at 2.7 s, the long lane, one
-replica at a time). Later windows move it by at most MAX_STEP (with weight ALPHA): the mix changes slowly, and a
-change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
+replica at a time). Later windows move it towards the target, x (target / factor) ^ ALPHA, by at most MAX_STEP:
+the mix changes slowly, and a change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
 so a factor that moves by more than MAX_STEP starts a new `epoch`: each estimate carries the epoch it was made in
 (`LLMRequest.prompt_units`), and the detector learns an app's baseline again in the new one rather than read the
 change of units as a change of the app's prompts (budgets/prompt_shift.py). The factor stays within
@@ -36,7 +49,8 @@ change of units as a change of the app's prompts (budgets/prompt_shift.py). The 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from extproc.routing.pool import HEALTHY, Replica
 
@@ -60,6 +74,49 @@ class _Seen:
     firsts: float = -1.0   # the engine's first-token count
     placed: int = 0        # this sidecar's estimated prompt tokens placed on it, cumulative ...
     requests: int = 0      # ... in this many requests
+    # Placements the engine has not counted as prefilled yet, oldest first: [requests, estimated tokens] per
+    # scrape interval, and their requests in all.
+    unprefilled: deque[list[float]] = field(default_factory=deque)
+    unprefilled_n: float = 0.0
+
+    def placed_since(self, r: Replica, factor: float) -> float:
+        """Queue the placements on `r` since the previous scrape, estimated at `factor`, in raw estimate tokens;
+        their count (< 0: `r` is a new object)."""
+        n = r.placed_requests_total - self.requests
+        if n > 0:
+            self.unprefilled.append([float(n), (r.placed_prompt_total - self.placed) / factor])
+            self.unprefilled_n += n
+        elif n < 0:
+            self.forget()
+        return n
+
+    def prefilled(self, k: float) -> tuple[float, float]:
+        """The engine counted `k` more prefills: take the oldest `k` placements. Returns (requests, tokens)."""
+        n = tokens = 0.0
+        q = self.unprefilled
+        while q and n < k:
+            batch = q[0]
+            take = min(batch[0], k - n)
+            part = batch[1] * take / batch[0]
+            n += take
+            tokens += part
+            if take >= batch[0]:
+                q.popleft()
+            else:
+                batch[0] -= take
+                batch[1] -= part
+        self.unprefilled_n -= n
+        return n, tokens
+
+    def trim(self, keep: float) -> None:
+        """Keep at most `keep` requests unmatched, dropping the oldest (never counted: aborted while waiting)."""
+        q = self.unprefilled
+        while q and self.unprefilled_n - q[0][0] >= keep:
+            self.unprefilled_n -= q.popleft()[0]
+
+    def forget(self) -> None:
+        self.unprefilled.clear()
+        self.unprefilled_n = 0.0
 
 
 class TokenCalibration:
@@ -69,8 +126,8 @@ class TokenCalibration:
         self.enabled = enabled
         self.factor = factor
         self.seen: dict[str, _Seen] = {}
-        # The current window: engine-counted prompt tokens and prefills; this sidecar's (calibrated) estimates
-        # and requests placed.
+        # The current window: engine-counted prompt tokens and prefills; this sidecar's raw estimates (before
+        # calibration) of the same prefills, and how many it matched.
         self._real = self._real_n = self._est = self._est_n = 0.0
         self.windows = 0  # measurements taken (for tests and the admin view)
         self.epoch = next(_epochs)  # a new one whenever a window moves the factor by more than MAX_STEP
@@ -88,11 +145,12 @@ class TokenCalibration:
             self._close_window(self._real / self._real_n, self._est / self._est_n)
         return self.factor
 
-    def _close_window(self, real_mean: float, est_mean: float) -> None:
-        """The factor after a window: x (real / estimated) on the first, x (real / estimated) ^ ALPHA within
-        MAX_STEP either way later; always within [1 / BOUND, BOUND]."""
+    def _close_window(self, real_mean: float, raw_mean: float) -> None:
+        """The factor after a window whose prefills the engines counted at `real_mean` tokens each and this sidecar
+        estimated at `raw_mean` before calibration: real / raw on the first; later, x (real / raw / factor) ^ ALPHA
+        within MAX_STEP either way; always within [1 / BOUND, BOUND]."""
         first = self.windows == 0
-        step = real_mean / est_mean
+        step = real_mean / raw_mean / self.factor
         if not first:
             step = min(MAX_STEP, max(1.0 / MAX_STEP, step ** ALPHA))
         old = self.factor
@@ -108,13 +166,20 @@ class TokenCalibration:
             return  # no new scrape of this replica
         prompts = getattr(e, "prompt_tokens_total", -1.0)
         firsts = getattr(e, "first_tokens_total", -1.0)
-        usable = (s.prompts >= 0 and s.firsts >= 0 and prompts >= s.prompts and firsts >= s.firsts
-                  and r.placed_requests_total >= s.requests and r.state == HEALTHY)
-        if usable:
-            self._real += prompts - s.prompts
-            self._real_n += firsts - s.firsts
-            self._est += r.placed_prompt_total - s.placed
-            self._est_n += r.placed_requests_total - s.requests
+        placed = s.placed_since(r, self.factor)
+        if s.prompts >= 0 and s.firsts >= 0 and placed >= 0:
+            if prompts < s.prompts or firsts < s.firsts:
+                s.forget()  # the engine restarted: what it had not prefilled is gone
+            else:
+                n, tokens = s.prefilled(firsts - s.firsts)
+                if r.state == HEALTHY:
+                    self._real += prompts - s.prompts
+                    self._real_n += firsts - s.firsts
+                    self._est += tokens
+                    self._est_n += n
+        # Unprefilled are at most the engine's waiting requests, the one prefilling, and the placements it could
+        # not have seen yet (since the scrape began).
+        s.trim(e.waiting + 1 + max(placed, 0))
         s.at, s.prompts, s.firsts = e.scraped_at, prompts, firsts
         s.placed, s.requests = r.placed_prompt_total, r.placed_requests_total
 

@@ -65,6 +65,39 @@ def test_first_window_takes_the_whole_ratio_later_ones_move_in_bounded_steps():
     assert cal.epoch == first_epoch
 
 
+def test_a_change_of_prompt_mix_while_the_engine_queues_is_not_an_estimate_error():
+    """P10: the app's prompts grow 5.5x while the engine still prefills the old ones from its queue. Placements
+    and prefills compared as they happen read that lag as an estimate error (first window 0.54 for 2/3, and
+    0.71 at the end: estimates made at one factor measured against the next); each prefill the engine counts is
+    matched with the oldest placement, in raw estimate tokens."""
+    cal = TokenCalibration()
+    r = Replica(address="a:1", pool="m")
+    queue: list[float] = []  # the engine's waiting requests, real prompt tokens, first come first served
+    counted = firsts = 0.0
+    t = 0.01
+    r.on_scrape(ScrapedState(scraped_at=t, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    cal.update([r], t)
+    first = None
+    for i in range(60):
+        raw = 1_500 if i < 5 else 8_250  # the heuristic's estimate; the engine counts 2/3 of it
+        for _ in range(2):
+            est = cal.apply(raw)
+            r.place(est, est)
+            queue.append(raw * 2 / 3)
+        for _ in range(2 if i < 5 else 1):  # the engine prefills two short prompts or one long one per tick
+            if queue:
+                counted += queue.pop(0)
+                firsts += 1
+        t += 0.2
+        r.on_scrape(ScrapedState(scraped_at=t, running=1, waiting=len(queue), prompt_tokens_total=counted,
+                                 first_tokens_total=firsts))
+        cal.update([r], t)
+        if cal.windows and first is None:
+            first = cal.factor
+    assert first is not None and abs(first - 2 / 3) < 0.01
+    assert abs(cal.factor - 2 / 3) < 0.01
+
+
 def test_a_first_window_near_the_heuristic_keeps_the_epoch():
     e, cal = Engine(real_per_est=1.05), TokenCalibration()
     e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
