@@ -1,11 +1,11 @@
 """What a pool sustains at saturation, for P10's capacity-at-cost report (budgets/prompt_shift.py: how many
 requests per second the pool serves at an app's prompt size).
 
-    an app's capacity (requests/s) = sum over routable replicas of rate / the app's mean estimated prompt
+    an app's capacity (requests/s) = sum over routable replicas of rate / the app's mean (calibrated) prompt
 
 A replica's `rate` is its engine's prefill throughput while it had a queue (saturation.py `SaturatedRate`), in
-the (calibrated) prompt tokens this sidecar estimated for the requests it had in flight there: the same units as
-the app's prompt it divides, so the estimator's error cancels. Until the engine has been seen saturated, the rate it showed while
+the engine's prompt tokens: the units of the app's prompt it divides, an estimate calibrated against the engines'
+own counts (admission/token_calibration.py). Until the engine has been seen saturated, the rate it showed while
 busy stands in (`Replica.busy_prompt_tps`: the offered load, a lower bound), else the policy's prefill rate.
 The decode that rode along with the prefills while measuring is in the rate; reading the capacity changes nothing.
 

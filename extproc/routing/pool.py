@@ -249,8 +249,7 @@ class Replica:
             self.kv_block_tokens = engine.kv_block_tokens
         if engine.running + engine.waiting > 0 and engine.prompt_tps > 0:
             self.busy_prompt_tps = engine.prompt_tps
-        self.saturated.observe(engine, self.inflight_prompt_tokens / self.inflight_requests
-                               if self.inflight_requests > 0 else 0.0)
+        self.saturated.observe(engine)
 
     @property
     def routable(self) -> bool:

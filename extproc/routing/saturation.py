@@ -1,16 +1,21 @@
-"""A replica's prefill throughput while its engine had a queue (routing/capacity.py), in the (calibrated) prompt
-tokens this sidecar estimated for its requests in flight there.
+"""A replica's prefill throughput while its engine had a queue (routing/capacity.py), in the engine's own prompt
+tokens.
 
 Engines count a prompt's tokens in one lump when its prefill ends (`vllm:prompt_tokens_total`; the first-token
 count rises by one at the same moment), so tokens counted over a scrape interval are 0 or whole prompts: a
 window of a few seconds held 2-4 prefills of P10's 5,500-token prompts, +-1 of them at its edges (+-30 %). The
 rate is therefore taken between prefill ends: within one run of saturated scrapes (waiting > 0 at both ends of
-each interval), the prompts whose prefill ended after the run's first counted end, over the time since that end:
+each interval), the prompt tokens counted after the run's first counted end, over the time since that end:
 
-    rate = sum(prefills ended x mean estimated prompt in flight) / sum(time since the run's previous end)
+    rate = sum(prompt tokens counted at each later end) / sum(time since the run's previous end)
 
 The sums decay with TAU_S, so the newer prompt mix counts most, and are kept while the engine is not saturated
 (the last saturated rate stands). A restart (counters down) starts a new run.
+
+The engine's tokens, not this sidecar's estimates of them: capacity.py divides the rate by an app's calibrated
+prompt estimate (admission/token_calibration.py), which is in the engine's units. A rate in estimated tokens
+kept the units of the factor it was measured at: when the calibration's first window rescaled every estimate by
+1/1.5, P10's capacity read 1.4x the true one for the rate's decay time.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ TAU_S = 10.0  # decay time of the saturated sums (the scrape window's length)
 
 @dataclass(slots=True)
 class SaturatedRate:
-    """One replica's prefill throughput while its engine had a queue, in estimated prompt tokens/s."""
+    """One replica's prefill throughput while its engine had a queue, in the engine's prompt tokens/s."""
 
     seconds: float = 0.0      # decayed time from each run's first counted prefill end to its last
-    tokens: float = 0.0       # decayed estimated prompt tokens that ended within that time
+    tokens: float = 0.0       # decayed prompt tokens that ended within that time
     at: float = 0.0           # scraped_at of the previous scrape (0: none)
     firsts: float = -1.0      # the engine's first-token count then (-1: none, or not exported)
+    prompts: float = -1.0     # the engine's prompt-token count then (-1: none, or not exported)
     waiting: int = 0          # its waiting queue then
     anchor: float = -1.0      # scraped_at of the last prefill end counted in the current saturated run (-1: none)
     added_at: float = 0.0     # scraped_at of the last measurement added (0: none)
@@ -39,21 +45,23 @@ class SaturatedRate:
         """tokens / seconds (0: never measured)."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def observe(self, e: Any, mean_prompt: float) -> None:
-        """A new scrape `e` (EngineState); `mean_prompt`: the estimated prompt of this sidecar's requests in
-        flight on the replica (0: none)."""
+    def observe(self, e: Any) -> None:
+        """A new scrape `e` (EngineState)."""
         at, firsts = e.scraped_at, float(getattr(e, "first_tokens_total", -1.0))
+        prompts = float(getattr(e, "prompt_tokens_total", -1.0))
         if at <= self.at:
             return
         ended = firsts - self.firsts if firsts >= 0 and self.firsts >= 0 else -1.0
-        saturated = self.waiting > 0 and e.waiting > 0 and ended >= 0 and not getattr(e, "restarted", False)
+        counted = prompts - self.prompts if prompts >= 0 and self.prompts >= 0 else -1.0
+        saturated = (self.waiting > 0 and e.waiting > 0 and ended >= 0 and counted >= 0
+                     and not getattr(e, "restarted", False))
         if not saturated:
             self.anchor = -1.0
         elif ended > 0:
-            if self.anchor >= 0 and mean_prompt > 0:
-                self._add(at, at - self.anchor, ended * mean_prompt)
+            if self.anchor >= 0 and counted > 0:
+                self._add(at, at - self.anchor, counted)
             self.anchor = at
-        self.at, self.firsts, self.waiting = at, firsts, e.waiting
+        self.at, self.firsts, self.prompts, self.waiting = at, firsts, prompts, e.waiting
 
     def _add(self, at: float, seconds: float, tokens: float) -> None:
         """sums = sums x exp(-(time since the last measurement) / TAU_S) + this measurement."""
