@@ -38,17 +38,23 @@ class Engine:
                                       first_tokens_total=self.firsts))
 
 
-def test_first_window_takes_the_whole_ratio_later_ones_move_in_bounded_steps():
-    """The first window fits the factor at once (P7 on real engines: estimates 1.58x high put a 0.7 s prefill in
-    the long lane for the 35 requests bounded steps took); later windows move it by at most MAX_STEP, and only the
-    first starts a new epoch (the prompt-shift detector relearns its baseline once)."""
-    e, cal = Engine(real_per_est=2 / 3), TokenCalibration()
+def first_window(real_per_est: float) -> tuple[Engine, TokenCalibration, int]:
+    """A fresh calibration fed 3,000-token prompts until its first window closes; the epoch it started in."""
+    e, cal = Engine(real_per_est=real_per_est), TokenCalibration()
     e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
     cal.update([e.r], 0.01)
     start_epoch = cal.epoch
     while cal.windows == 0:
         e.serve(3_000, cal)
         cal.update([e.r], e.t)
+    return e, cal, start_epoch
+
+
+def test_first_window_takes_the_whole_ratio_later_ones_move_in_bounded_steps():
+    """The first window fits the factor at once (P7 on real engines: estimates 1.58x high put a 0.7 s prefill in
+    the long lane for the 35 requests bounded steps took); later windows move it by at most MAX_STEP, and only the
+    first starts a new epoch (the prompt-shift detector relearns its baseline once)."""
+    e, cal, start_epoch = first_window(2 / 3)
     assert abs(cal.factor - 2 / 3) < 1e-9
     first_epoch = cal.epoch
     assert first_epoch > start_epoch
@@ -99,13 +105,7 @@ def test_a_change_of_prompt_mix_while_the_engine_queues_is_not_an_estimate_error
 
 
 def test_a_first_window_near_the_heuristic_keeps_the_epoch():
-    e, cal = Engine(real_per_est=1.05), TokenCalibration()
-    e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
-    cal.update([e.r], 0.01)
-    epoch = cal.epoch
-    while cal.windows == 0:
-        e.serve(3_000, cal)
-        cal.update([e.r], e.t)
+    _, cal, epoch = first_window(1.05)
     assert abs(cal.factor - 1.05) < 1e-9 and cal.epoch == epoch
 
 
