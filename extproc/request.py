@@ -63,8 +63,8 @@ class LLMRequest:
     prefix_key: int = 0          # hash of the leading prompt text (system prompt): the P10 fingerprint
     prefix_chain: tuple[int, ...] = ()  # chained hashes of the prompt's first PREFIX_LADDER[i] characters (prefix
                                         # affinity: which prefix a prompt shares with earlier ones)
-    prompt_units: int = 0        # the token calibration's epoch its prompt_tokens estimate is in (token_calibration.py):
-                                 # the prompt-shift detector compares estimates of one epoch only
+    prompt_units: int = 0        # the token calibration's epoch its prompt_tokens estimate is in (the prompt-shift
+                                 # detector compares estimates of one epoch only; token_calibration.py)
     prompt_chars: int = 0        # characters of prompt text (prefix levels in characters -> tokens)
     prefix_held: int = 0         # tokens of its prompt that requests in flight on its replica held in KV when it
                                  # was placed (admission: it adds only the rest to that replica's KV)

@@ -19,8 +19,9 @@ and every new estimate is the raw one x the factor learned from it (`Scheduler.c
 
 - Matched, not as they happen: when an app's prompts grow 5.5x (P10), the engine prefills the old ones from its
   queue for seconds while the new ones are placed. Compared as they happened, that lag read as an estimate error
-  (P10 at a86b7b4, whose first window took the whole ratio: the app's capacity estimated 1.39x too high). In raw
-  units, a factor that changed while a request waited does not feed back into its own measurement.
+  (a P10-shaped test, tests/admission/test_token_calibration.py: a first window of 0.54 where the engine counts
+  2/3 of the estimate). In raw units, a factor that changed while a request waited does not feed back into its
+  own measurement.
 - Means, not sums: a replica that lags behind (a slow or sick one still prefilling what it was sent, P8) finishes
   fewer prompts, but their mean size is the same. Comparing sums counted the lag as an estimate error: a sick
   replica's unprefilled prompts read as "the sidecar overestimates", the factor fell, and every replica was
@@ -35,15 +36,15 @@ and every new estimate is the raw one x the factor learned from it (`Scheduler.c
 - Restarts and sick replicas: a counter that went down (the engine's, or this sidecar's for a replica removed and
   added again by reloads), or a replica not HEALTHY, is left out.
 
-The first window sets the factor to its target: a pool's text mix is far from 4 bytes per token
-from the start (1.58x on the real-engine rig's text), and every request until the factor fits is mis-laned (P7
-on real engines: 5,000-token prompts estimated at 8,000 predicted a 0.7 s prefill at 2.7 s, the long lane, one
-replica at a time). Later windows move it towards the target, x (target / factor) ^ ALPHA, by at most MAX_STEP:
-the mix changes slowly, and a change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
+The first window sets the factor to its target: a pool's text mix is far from 4 bytes per token from the start
+(1.58x on the real-engine rig's text), and every request until the factor fits is mis-laned (P7 on real engines:
+5,000-token prompts estimated at 8,000 predicted a 0.7 s prefill at 2.7 s, the long lane, one replica at a time).
+Later windows move it towards the target, x (target / factor) ^ ALPHA, by at most MAX_STEP: the mix changes slowly,
+and a change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
 so a factor that moves by more than MAX_STEP starts a new `epoch`: each estimate carries the epoch it was made in
 (`LLMRequest.prompt_units`), and the detector learns an app's baseline again in the new one rather than read the
-change of units as a change of the app's prompts (budgets/prompt_shift.py). The factor stays within
-[1 / BOUND, BOUND].
+change of units as a change of the app's prompts (budgets/prompt_shift.py). The factor stays within [1 / BOUND,
+BOUND].
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ The capacity gauge `sluice_prompt_capacity_requests_per_second{app}` is read whe
   capacity = capacity_rps(model, the mean estimated prompt of the app's last K ADMITTED requests)
 
 capacity_rps divides the pool's prefill throughput at saturation, in the engines' prompt tokens/s
-(routing/capacity.py), by that prompt, an estimate calibrated to the engines' units. Admitted, not completed: after a prompt
-change the new requests take seconds to complete, or none completes while the pool is overloaded by them (P10:
-no request of the new prompt completed in the 7 s after the change), and a gauge fed by completions kept the old
-prompt's capacity.
+(routing/capacity.py), by that prompt, an estimate calibrated to the engines' units. Admitted, not completed: after
+a prompt change the new requests take seconds to complete, or none completes while the pool is overloaded by them
+(P10: no request of the new prompt completed in the 7 s after the change), and a gauge fed by completions kept the
+old prompt's capacity.
 
 A prompt's cost is the engine's count where the response reported usage, else the admission estimate, in the
 units of the token calibration (admission/token_calibration.py). Its first measurement can rescale every estimate

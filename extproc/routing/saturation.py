@@ -15,7 +15,8 @@ The sums decay with TAU_S, so the newer prompt mix counts most, and are kept whi
 The engine's tokens, not this sidecar's estimates of them: capacity.py divides the rate by an app's calibrated
 prompt estimate (admission/token_calibration.py), which is in the engine's units. A rate in estimated tokens
 kept the units of the factor it was measured at: when the calibration's first window rescaled every estimate by
-1/1.5, P10's capacity read 1.4x the true one for the rate's decay time.
+1/1.5, P10's capacity read 1.66 requests/s against a true 1.17 (1.40 with the rate in the engine's tokens, the rest
+being the prefill-bound rate's, capacity.py).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class SaturatedRate:
 
     def observe(self, e: Any) -> None:
         """A new scrape `e` (EngineState)."""
-        at, firsts = e.scraped_at, float(getattr(e, "first_tokens_total", -1.0))
-        prompts = float(getattr(e, "prompt_tokens_total", -1.0))
+        at = e.scraped_at
         if at <= self.at:
             return
+        firsts = float(getattr(e, "first_tokens_total", -1.0))
+        prompts = float(getattr(e, "prompt_tokens_total", -1.0))
         ended = firsts - self.firsts if firsts >= 0 and self.firsts >= 0 else -1.0
         counted = prompts - self.prompts if prompts >= 0 and self.prompts >= 0 else -1.0
         saturated = (self.waiting > 0 and e.waiting > 0 and ended >= 0 and counted >= 0

@@ -73,9 +73,9 @@ def test_first_window_takes_the_whole_ratio_later_ones_move_in_bounded_steps():
 
 def test_a_change_of_prompt_mix_while_the_engine_queues_is_not_an_estimate_error():
     """P10: the app's prompts grow 5.5x while the engine still prefills the old ones from its queue. Placements
-    and prefills compared as they happen read that lag as an estimate error (first window 0.54 for 2/3, and
-    0.71 at the end: estimates made at one factor measured against the next); each prefill the engine counts is
-    matched with the oldest placement, in raw estimate tokens."""
+    and prefills compared as they happen read that lag as an estimate error (first window 0.54 for 2/3 at
+    a86b7b4); matched but in calibrated tokens, estimates made at one factor were measured against the next (0.71
+    at the end). Each prefill the engine counts is matched with the oldest placement, in raw estimate tokens."""
     cal = TokenCalibration()
     r = Replica(address="a:1", pool="m")
     queue: list[float] = []  # the engine's waiting requests, real prompt tokens, first come first served

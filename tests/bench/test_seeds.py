@@ -3,11 +3,15 @@ medians with their [min, max]."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
+import types
 from pathlib import Path
 
 import pytest
 
+import bench.runner as runner
 from bench import report
 from bench.openloop import Record
 from bench.runner import combine_reps, main, run_scenarios
@@ -112,17 +116,10 @@ def test_records_writes_every_attempt_of_each_run(tmp_path: Path, monkeypatch: p
 def test_every_run_reports_its_gateways_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """`gateway_cpu_s`: the CPU the gateway's processes used while serving, a cost in every scenario's table, read
     from /proc for the stack's own children (Envoy, the sidecar workers, smg) and nothing else."""
-    import os
-    import types
-
-    import bench.runner as runner
-
     me = types.SimpleNamespace(pid=os.getpid())
     stack = types.SimpleNamespace(children=[types.SimpleNamespace(name="sidecar[0]", proc=me),
                                             types.SimpleNamespace(name="sim 127.0.0.1:1", proc=me),
                                             types.SimpleNamespace(name="envoy", proc=None)])
-    import time
-
     before = runner._cpu_by_process([stack])
     assert set(before) == {("sidecar", os.getpid())}  # the replicas are not the gateway; Envoy never started
     deadline = time.monotonic() + 5.0
