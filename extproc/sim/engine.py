@@ -275,6 +275,13 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def waiting_in_engine(self, now: float | None = None) -> int:
+        """Waiting requests that reached the engine by `now` (default: the clock): a request still in its frontend
+        delay (the API server tokenizing it) is not yet in vLLM's scheduler queue, which `vllm:num_requests_waiting`
+        counts, and a gateway reading the gauge takes a waiting request for one the engine has no room for."""
+        t = self.clock if now is None else now
+        return sum(1 for r in self.waiting if r.ready_at <= t)
+
     def next_ready_time(self) -> float | None:
         """When the head of the waiting queue reaches the engine (after its frontend delay)."""
         return self.waiting[0].ready_at if self.waiting else None

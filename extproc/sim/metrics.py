@@ -72,7 +72,7 @@ class SimCollector(Collector):
     """Yields the metric families of one engine at scrape time."""
 
     def __init__(self, engine_ref: Callable[[], Engine], model_name: str, style: str = "vllm",
-                 engine_label: str = "0") -> None:
+                 engine_label: str = "0", now_ref: Callable[[], float] | None = None) -> None:
         if style not in ("vllm", "sglang"):
             raise ValueError(f"unknown metrics style {style!r}")
         self._engine = engine_ref
@@ -80,6 +80,10 @@ class SimCollector(Collector):
         self.style = style
         self.engine_label = engine_label
         self.lagging_running = 0  # aborted requests the running gauge still shows (CostModel.abort)
+        self._now = now_ref       # the engine's time now (None: its clock), for the waiting gauge
+
+    def _waiting(self, eng: Engine) -> int:
+        return eng.waiting_in_engine(self._now() if self._now is not None else None)
 
     def collect(self) -> Iterator[Metric]:
         eng = self._engine()
@@ -120,7 +124,7 @@ class SimCollector(Collector):
         yield info
         yield gauge("running", "Number of requests in model execution batches.",
                     len(eng.running) + self.lagging_running)
-        yield gauge("waiting", "Number of requests waiting to be processed.", len(eng.waiting))
+        yield gauge("waiting", "Number of requests waiting to be processed.", self._waiting(eng))
         yield gauge("kv_usage", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage())
         yield counter("prefix_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       st.prefix_queries)
@@ -146,7 +150,7 @@ class SimCollector(Collector):
         labels, values = self._labels()
         for key, doc, v in (
             ("running", "The number of running requests.", len(eng.running)),
-            ("waiting", "The number of requests in the waiting queue.", len(eng.waiting)),
+            ("waiting", "The number of requests in the waiting queue.", self._waiting(eng)),
             ("kv_usage", "The token usage.", eng.kv_usage()),
             ("cache_hit_rate", "The prefix cache hit rate.",
              st.prefix_hits / st.prefix_queries if st.prefix_queries else 0.0),

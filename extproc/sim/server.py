@@ -176,9 +176,14 @@ class SimServer:
         self.admin_port: int | None = None
         self.host = config.host
         self.name = config.name or ""
-        self.collector = SimCollector(lambda: self.engine, config.model, config.metrics_style)
+        self.collector = SimCollector(lambda: self.engine, config.model, config.metrics_style,
+                                      now_ref=self._sim_now)
         self.registry = make_registry(self.collector)
         self._started = time.time()
+
+    def _sim_now(self) -> float:
+        """The engine's time now: the runner's, or the engine's clock before it starts."""
+        return self._runner.sim_now() if self._runner is not None else self.engine.clock
 
     def _new_engine(self) -> Engine:
         p = self.preset
@@ -362,7 +367,7 @@ class SimServer:
             "admin_port": self.admin_port,
             "time_scale": self.time_scale,
             "running": len(eng.running),
-            "waiting": len(eng.waiting),
+            "waiting": eng.waiting_in_engine(self._sim_now()),
             "kv_usage": eng.kv_usage(),
             "num_gpu_blocks": eng.pool.total,
             "usable_blocks": eng.pool.capacity,

@@ -108,3 +108,22 @@ async def test_abort_stops_generation_at_once_but_the_gauge_lags(sim_factory, ht
     assert sim.engine.stats.ghost_tokens <= 1
     assert await wait_for_async(lambda: sim.collector.lagging_running == 0, timeout=5 + TINY_CPU.cost.abort / 0.2)
     await asyncio.sleep(0)
+
+
+def test_the_waiting_gauge_counts_only_requests_that_reached_the_engine() -> None:
+    """vLLM's num_requests_waiting is its scheduler's queue: a request the API server is still tokenizing (the
+    preset's frontend delay) is not in it yet."""
+    from extproc.sim.metrics import SimCollector, make_registry, render
+
+    e = Engine(TINY_CPU.cost, num_gpu_blocks=200, block_size=128)
+    now = [0.0]
+
+    def page() -> str:
+        return render(make_registry(SimCollector(lambda: e, "m", now_ref=lambda: now[0]))).decode()
+
+    e.add(Request("a", 6_000, 1), 0.0)
+    delay = TINY_CPU.cost.frontend + TINY_CPU.cost.frontend_tok * 6_000
+    assert len(e.waiting) == 1 and e.waiting_in_engine(0.0) == 0
+    assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0' in page()
+    now[0] = delay
+    assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0' in page()
