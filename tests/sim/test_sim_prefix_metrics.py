@@ -10,6 +10,7 @@ import aiohttp
 
 from extproc.sim import cli
 from extproc.sim.engine import Engine, Request, block_hashes, run_offline
+from extproc.sim.metrics import SimCollector, make_registry, render
 from extproc.sim.presets import TINY_CPU
 
 from ..waiting import wait_for_async
@@ -113,8 +114,6 @@ async def test_abort_stops_generation_at_once_but_the_gauge_lags(sim_factory, ht
 def test_the_waiting_gauge_counts_only_requests_that_reached_the_engine() -> None:
     """vLLM's num_requests_waiting is its scheduler's queue: a request the API server is still tokenizing (the
     preset's frontend delay) is not in it yet."""
-    from extproc.sim.metrics import SimCollector, make_registry, render
-
     e = Engine(TINY_CPU.cost, num_gpu_blocks=200, block_size=128)
     now = [0.0]
 
