@@ -152,8 +152,9 @@ def _set_timeout(head: Head, text: str) -> None:
 
 
 def _set_deadline_ms(head: Head, text: str) -> None:
+    """x-sluice-deadline-ms, in seconds; a value so small that it underflows to 0 s is no deadline, like 0 itself."""
     ms = _float(text)
-    if ms is not None:
+    if ms is not None and ms / 1000.0 > 0:
         head.client_timeout_s = ms / 1000.0
         head.deadline_sent = True
 
