@@ -43,7 +43,7 @@ def sims() -> Iterator[list[SimServer]]:
 
 def test_calibrating_against_a_simulator_recovers_its_model(sims: list[SimServer], tmp_path: Path) -> None:
     out, preset_file = tmp_path / "m.json", tmp_path / "p.json"
-    main(["--against", sims[0].url, "--preempt-url", sims[1].url, "--repeats", "3", "--max-num-seqs", "64",
+    main(["--against", sims[0].url, "--preempt-url", sims[1].url, "--repeats", "5", "--max-num-seqs", "64",
           "--json", str(out), "--write-preset", str(preset_file)])
     m = json.loads(out.read_text())
     assert m["engine"]["version"] == "0.32.0+sluice.sim"
