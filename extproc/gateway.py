@@ -292,6 +292,8 @@ class Gateway:
 
     def _reject(self, st: Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         st.move(REJECTED)
+        if st.req is not None and (after := R.retry_asked(resp)) is not None:
+            self.budgets.refused(st.req, after)  # no replica saw it: its retry is not charged (budgets/credits.py)
         ir = resp.immediate_response
         m.REJECTIONS.labels(str(ir.status.code), ir.details.removeprefix("sluice_")).inc()
         return resp
@@ -384,9 +386,8 @@ class Gateway:
             # the body was observed, else the estimate stands.
             if not forwarded:
                 prompt_actual = completion_actual = 0
-            st.budgets.settle_sync(
-                st.charge, completed=forwarded and st.status < 500,
-                prompt_tokens=prompt_actual, completion_tokens=completion_actual)
+            st.budgets.settle_sync(st.charge, completed=forwarded and st.status < 500,
+                                   prompt_tokens=prompt_actual, completion_tokens=completion_actual)
             st.charge = None
         if holds & Hold.TENANT_STREAM:
             self.identity.close(req.tenant)

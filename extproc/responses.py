@@ -84,6 +84,19 @@ def immediate(status: int, message: str, code: str, *, err_type: str | None = No
     ))
 
 
+def retry_asked(resp: pb.ProcessingResponse) -> float | None:
+    """An immediate answer that tells the client to retry (`x-should-retry: true`): its retry-after in seconds (0
+    without one); None for any other answer. The gateway then makes that retry free of the retry budget
+    (budgets/credits.py)."""
+    asked, after = False, 0.0
+    for h in resp.immediate_response.headers.set_headers:
+        if h.header.key == "x-should-retry":
+            asked = h.header.raw_value == b"true"
+        elif h.header.key == "retry-after-ms":
+            after = int(h.header.raw_value) / 1000
+    return after if asked else None
+
+
 @lru_cache(maxsize=4096)
 def pin_metadata(pins: str) -> struct_pb2.Struct:
     """`{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port"}}`, cached per pin list

@@ -139,6 +139,11 @@ class Budgets:
         """True with the memory store: `admit_sync` / `settle_sync` may be called from synchronous code."""
         return self._memory is not None
 
+    def refused(self, req: LLMRequest, retry_after_s: float | None, now: float | None = None) -> None:
+        """The gateway refused `req` before any replica saw it and told its client to retry after
+        `retry_after_s`: that retry will not be charged to the retry share (budgets/credits.py)."""
+        self.retry.refused(ident(req.tenant), time.monotonic() if now is None else now, retry_after_s)
+
     # ------------------------------------------------------------------------------------------------ admit
     async def admit(self, req: LLMRequest, now: float | None = None) -> Charge:
         """Check every budget and charge them all, or raise BudgetExceeded having charged nothing."""
@@ -191,7 +196,7 @@ class Budgets:
         self.tasks.check_local(req)
         tenant = ident(req.tenant)
         op = AdmitOp(now, self._token_prefix + str(next(self._tokens)))
-        self.retry.prepare(op, req, tenant)
+        self.retry.prepare(op, req, tenant, time.monotonic())
         self.tasks.prepare(op, req, tenant)
         self.tenants.prepare(op, req, tenant)
         return op if op.checks_anything else None

@@ -18,6 +18,9 @@ RETRIES_SEEN = Counter("sluice_budget_retries_seen_total",
                        ["pool"])
 RETRIES_ALLOWED = Counter("sluice_budget_retries_allowed_total", "Retries admitted by the retry budget, by pool.",
                           ["pool"])
+RETRIES_CREDITED = Counter("sluice_budget_retries_credited_total",
+                           "Retries of requests this sidecar refused with x-should-retry: true, admitted without "
+                           "charging the retry share (one per refusal), by pool.", ["pool"])
 RETRIES_REJECTED = Counter("sluice_budget_retries_rejected_total",
                            "Retries refused: reason=budget (429, share exceeded) or duplicate_in_flight (409).",
                            ["pool", "reason"])

@@ -85,6 +85,10 @@ class RetryPolicy:
                                       # of a finished request reaches the sidecar up to Envoy's access-log flush
                                       # interval (10 ms) after its client saw it, and a client may resend the id
                                       # at once. 0 = refuse at once; at most half of sidecar.message_timeout_ms
+    credit_refused: bool = True       # a retry of a request this sidecar refused before any replica saw it, with
+                                      # `x-should-retry: true`, is not charged to the retry share (one free retry
+                                      # per refusal, until its retry-after + window_s): it adds no load, and
+                                      # charging it refused the retry the gateway asked for
     use_idempotency_key: bool = True  # recognise retries / duplicates by the `Idempotency-Key` header
     use_request_id: bool = True       # recognise them by a reused request id (`x-request-id`)
     use_fingerprint: bool = False     # recognise them by an identical body from the same tenant. Off by default:

@@ -17,12 +17,17 @@ must fit the pool's share as well, so the floors of many tenants cannot add up t
 the cap: 429 `retry_budget_exceeded` with `x-should-retry: false` (retrying cannot help: the tenant or the pool is
 already retrying too much) and Retry-After = the window.
 
+A retry of a request this sidecar refused before any replica saw it, with `x-should-retry: true`, is free: the
+refusal grants the tenant a credit (credits.py), and a retry that takes one is neither checked against nor counted
+in the share (policy `credit_refused`).
+
 The checks and the counters live in the store's combined admit (one round trip with Redis).
 """
 
 from __future__ import annotations
 
 from extproc.budgets import metrics
+from extproc.budgets.credits import RetryCredits
 from extproc.budgets.errors import BudgetExceeded
 from extproc.budgets.keys import ident
 from extproc.budgets.policy import RetryPolicy
@@ -39,6 +44,9 @@ class RetryBudget:
     def __init__(self, policy: RetryPolicy, max_pools: int = 64) -> None:
         self.policy = policy
         self.enabled = policy.enabled
+        # retries of requests this sidecar refused with x-should-retry: true are free (credits.py)
+        self.credits = RetryCredits(policy.window_s) if policy.enabled and policy.credit_refused else None
+        self._credited = metrics.BoundedLabels(metrics.RETRIES_CREDITED, max_pools)
         self._seen = metrics.BoundedLabels(metrics.RETRIES_SEEN, max_pools)
         self._allowed = metrics.BoundedLabels(metrics.RETRIES_ALLOWED, max_pools)
         self._rej_budget = metrics.BoundedLabels(metrics.RETRIES_REJECTED, max_pools, reason="budget")
@@ -55,14 +63,25 @@ class RetryBudget:
             out.append(f"m:{tenant}:f:{req.body_fingerprint.hex()}")
         return tuple(out)
 
-    def prepare(self, op: AdmitOp, req: LLMRequest, tenant: str) -> None:
-        """Add this request's retry checks to the combined admit."""
+    def refused(self, tenant: str, now: float, retry_after_s: float | None) -> None:
+        """This sidecar refused a request of `tenant` before any replica saw it and told it to retry: its retry
+        will be free (credits.py)."""
+        if self.credits is not None:
+            self.credits.grant(tenant, now, retry_after_s)
+
+    def prepare(self, op: AdmitOp, req: LLMRequest, tenant: str, now: float) -> None:
+        """Add this request's retry checks to the combined admit. A retry that takes a credit (`now`: monotonic)
+        keeps its duplicate check and is neither checked against nor counted in the retry share."""
         op.retry_hint = req.retry_count > 0
         if not self.enabled:
             return
         p = self.policy
         op.markers = self.markers(req, tenant)
         op.inflight_ttl_s = p.inflight_ttl_s
+        if op.retry_hint and self.credits is not None and self.credits.take(tenant, now):
+            op.retry_hint = False
+            self._credited.get(req.model).inc()
+            return
         op.retry = RetryCheck(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
 
     def admitted(self, req: LLMRequest, is_retry: bool) -> None:

@@ -224,3 +224,53 @@ async def test_sync_admit_hands_a_duplicate_to_the_async_wait() -> None:
         b.admit_sync(req(request_id="rid-s"), now=T0)
     asyncio.get_running_loop().call_later(0.05, lambda: b.settle_sync(original, completed=True, now=T0))
     assert (await b.admit_when_ended(req(request_id="rid-s"), pending.value)).is_retry
+
+
+async def _retries_admitted(b: Budgets, n: int, **kw: object) -> int:
+    """How many of `n` SDK retries (x-stainless-retry-count 1) the budgets admit."""
+    admitted = 0
+    for _ in range(n):
+        try:
+            await b.admit(req(retry_count=1, **kw), now=T0)  # type: ignore[arg-type]
+            admitted += 1
+        except BudgetExceeded as e:
+            assert e.code == "retry_budget_exceeded"
+    return admitted
+
+
+@pytest.mark.asyncio
+async def test_a_retry_the_gateway_asked_for_is_not_charged(make_budgets) -> None:
+    """Real PX: 21 requests shed with x-should-retry: true, and 15 of their SDK retries refused as a retry storm
+    (x-should-retry: false), lost. A refusal before any replica saw the request now grants its tenant one free retry;
+    retries beyond the refusals are charged as before (floor 3), so a storm stays capped."""
+    b = await make_budgets()
+    labels = {"pool": "credited"}
+    before = REGISTRY.get_sample_value("sluice_budget_retries_credited_total", labels) or 0
+    for _ in range(10):
+        b.refused(req(model="credited"), retry_after_s=0.5)
+    assert await _retries_admitted(b, 20, model="credited") == 10 + 3
+    assert REGISTRY.get_sample_value("sluice_budget_retries_credited_total", labels) - before == 10
+    # another tenant cannot use acme's credits: its floor only
+    for _ in range(5):
+        b.refused(req(model="credited", tenant="acme"), retry_after_s=0.5)
+    assert await _retries_admitted(b, 10, model="credited", tenant="other") == 3
+    assert await _retries_admitted(b, 10, model="credited") == 5  # acme's five, its floor spent already
+
+
+@pytest.mark.asyncio
+async def test_credits_can_be_turned_off(make_budgets) -> None:
+    b = await make_budgets(retry={"credit_refused": False})
+    for _ in range(10):
+        b.refused(req(model="strict"), retry_after_s=0.5)
+    assert await _retries_admitted(b, 20, model="strict") == 3
+
+
+@pytest.mark.asyncio
+async def test_a_credited_retry_still_meets_the_duplicate_check(make_budgets) -> None:
+    """The credit frees the retry from the share, not from the 409 for a duplicate still in flight."""
+    b = await make_budgets(retry={"duplicate_wait_s": 0.0})
+    await b.admit(req(model="dup", request_id="same"), now=T0)
+    b.refused(req(model="dup"), retry_after_s=0.5)
+    with pytest.raises(BudgetExceeded) as exc:
+        await b.admit(req(model="dup", request_id="same", retry_count=1), now=T0)
+    assert exc.value.code == "duplicate_in_flight"

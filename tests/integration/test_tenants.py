@@ -144,3 +144,26 @@ def test_open_request_cap_rejects_excess_cleanly(capped_stack: Stack):
     statuses = asyncio.run(run())
     assert statuses.count(200) >= 3 and statuses.count(429) >= 1
     assert set(statuses) <= {200, 429}
+
+
+def test_the_retries_of_refused_requests_are_admitted_beyond_the_retry_floor(capped_stack: Stack):
+    """A request refused at the open-request cap (x-should-retry: true) reached no replica: its SDK retry
+    (`x-stainless-retry-count: 1`) is not charged to the retry budget, whose floor (3 per window) would otherwise
+    refuse the fourth retry with retry_budget_exceeded."""
+    import httpx
+
+    body = {"model": "sim-model", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}]}
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=capped_stack.base_url, timeout=30) as http:
+            async def one() -> int:
+                return (await http.post("/v1/chat/completions", json=body)).status_code
+            return await asyncio.gather(*(one() for _ in range(10)))
+
+    refused = asyncio.run(burst()).count(429)
+    assert refused >= 2
+    retry = {"x-stainless-retry-count": "1"}
+    with httpx.Client(base_url=capped_stack.base_url, timeout=30) as http:
+        codes = [http.post("/v1/chat/completions", json={**body, "max_tokens": 4}, headers=retry).status_code
+                 for _ in range(refused + 3)]  # one free retry per refusal, then the tenant's floor of 3
+    assert codes == [200] * (refused + 3), codes
