@@ -19,7 +19,7 @@ already retrying too much) and Retry-After = the window.
 
 A retry of a request this sidecar refused before any replica saw it, with `x-should-retry: true`, is free: the
 refusal grants the tenant a credit (credits.py), and a retry that takes one is neither checked against nor counted
-in the share (policy `credit_refused`).
+in the share (policy `credit_refused`, off by default: see there).
 
 The checks and the counters live in the store's combined admit (one round trip with Redis).
 """

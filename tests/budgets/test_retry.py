@@ -243,7 +243,7 @@ async def test_a_retry_the_gateway_asked_for_is_not_charged(make_budgets) -> Non
     """Real PX: 21 requests shed with x-should-retry: true, and 15 of their SDK retries refused as a retry storm
     (x-should-retry: false), lost. A refusal before any replica saw the request now grants its tenant one free retry;
     retries beyond the refusals are charged as before (floor 3), so a storm stays capped."""
-    b = await make_budgets()
+    b = await make_budgets(retry={"credit_refused": True})
     labels = {"pool": "credited"}
     before = REGISTRY.get_sample_value("sluice_budget_retries_credited_total", labels) or 0
     for _ in range(10):
@@ -258,8 +258,8 @@ async def test_a_retry_the_gateway_asked_for_is_not_charged(make_budgets) -> Non
 
 
 @pytest.mark.asyncio
-async def test_credits_can_be_turned_off(make_budgets) -> None:
-    b = await make_budgets(retry={"credit_refused": False})
+async def test_credits_are_off_by_default(make_budgets) -> None:
+    b = await make_budgets()
     for _ in range(10):
         b.refused(req(model="strict"), retry_after_s=0.5)
     assert await _retries_admitted(b, 20, model="strict") == 3
@@ -268,7 +268,7 @@ async def test_credits_can_be_turned_off(make_budgets) -> None:
 @pytest.mark.asyncio
 async def test_a_credited_retry_still_meets_the_duplicate_check(make_budgets) -> None:
     """The credit frees the retry from the share, not from the 409 for a duplicate still in flight."""
-    b = await make_budgets(retry={"duplicate_wait_s": 0.0})
+    b = await make_budgets(retry={"duplicate_wait_s": 0.0, "credit_refused": True})
     await b.admit(req(model="dup", request_id="same"), now=T0)
     b.refused(req(model="dup"), retry_after_s=0.5)
     with pytest.raises(BudgetExceeded) as exc:

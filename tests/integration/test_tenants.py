@@ -117,7 +117,8 @@ def test_metered_tenant_requests_are_observed(metered_stack: Stack):
 
 @pytest.fixture(scope="module")
 def capped_stack(tmp_path_factory: pytest.TempPathFactory):
-    s = make_stack(tmp_path_factory.mktemp("capped"), {"sidecar": {"max_open_requests": 3}})
+    s = make_stack(tmp_path_factory.mktemp("capped"), {"sidecar": {"max_open_requests": 3},
+                                                       "budgets": {"retry": {"credit_refused": True}}})
     s.start()
     try:
         yield s
@@ -147,8 +148,8 @@ def test_open_request_cap_rejects_excess_cleanly(capped_stack: Stack):
 
 
 def test_the_retries_of_refused_requests_are_admitted_beyond_the_retry_floor(capped_stack: Stack):
-    """A request refused at the open-request cap (x-should-retry: true) reached no replica: its SDK retry
-    (`x-stainless-retry-count: 1`) is not charged to the retry budget, whose floor (3 per window) would otherwise
+    """With `budgets.retry.credit_refused` (this stack's policy): a request refused at the open-request cap
+    (x-should-retry: true) reached no replica, and its SDK retry (`x-stainless-retry-count: 1`) is not charged to the retry budget, whose floor (3 per window) would otherwise
     refuse the fourth retry with retry_budget_exceeded."""
     import httpx
 
