@@ -41,7 +41,10 @@ def _settle_for(op: AdmitOp, rng: random.Random, now: float) -> SettleOp:
 async def test_memory_and_redis_agree(redis_server, seed: int) -> None:
     rng = random.Random(seed)
     mem = MemoryStore()
-    red = RedisStore(RedisPolicy(url=redis_server.url, key_prefix=f"parity-{uuid.uuid4().hex[:8]}:"))
+    # 5 s timeouts: the parity of the two algorithms is under test, not the fallback; at the default 50 ms a CI run
+    # on this shared machine timed out one command and compared the local fallback with the memory store
+    red = RedisStore(RedisPolicy(url=redis_server.url, key_prefix=f"parity-{uuid.uuid4().hex[:8]}:",
+                                 socket_timeout_s=5.0, connect_timeout_s=5.0))
     await red.start()
     now = T0
     open_ops: list[AdmitOp] = []
