@@ -292,7 +292,7 @@ class Gateway:
 
     def _reject(self, st: Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         st.move(REJECTED)
-        if st.req is not None and (after := R.retry_asked(resp)) is not None:
+        if st.req is not None and self.budgets.credits_refusals and (after := R.retry_asked(resp)) is not None:
             self.budgets.refused(st.req, after)  # no replica saw it: its retry is not charged (budgets/credits.py)
         ir = resp.immediate_response
         m.REJECTIONS.labels(str(ir.status.code), ir.details.removeprefix("sluice_")).inc()

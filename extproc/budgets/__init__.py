@@ -139,6 +139,12 @@ class Budgets:
         """True with the memory store: `admit_sync` / `settle_sync` may be called from synchronous code."""
         return self._memory is not None
 
+    @property
+    def credits_refusals(self) -> bool:
+        """Refusals that tell the client to retry earn a free retry (`retry.credit_refused`): only then does the
+        gateway look at what a refusal told its client."""
+        return self.retry.credits is not None
+
     def refused(self, req: LLMRequest, retry_after_s: float | None, now: float | None = None) -> None:
         """The gateway refused `req` before any replica saw it and told its client to retry after
         `retry_after_s`: that retry will not be charged to the retry share (budgets/credits.py)."""
