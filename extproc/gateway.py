@@ -156,7 +156,8 @@ class Gateway:
                                                 retry_after_s=1.0, should_retry=True))
         body = msg.body
         if len(body) > self.max_body:
-            return self._reject(st, self._too_large())
+            return self._reject(st, R.immediate(413, f"request body exceeds the gateway limit of {self.max_body} "
+                                                "bytes", "request_too_large"))
         if head.path not in ENDPOINTS:
             return self._reject(st, R.immediate(404, f"unknown endpoint {head.path}", "unknown_endpoint"))
         try:
@@ -286,15 +287,13 @@ class Gateway:
         return self._reject(st, R.immediate(shed.status, shed.message, shed.code, retry_after_s=shed.retry_after_s,
                                             should_retry=shed.should_retry))
 
-    def _too_large(self) -> pb.ProcessingResponse:
-        return R.immediate(413, f"request body exceeds the gateway limit of {self.max_body} bytes",
-                           "request_too_large")
-
     def _reject(self, st: Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         st.move(REJECTED)
+        ir = resp.immediate_response
         if st.req is not None and self.budgets.credits_refusals and (after := R.retry_asked(resp)) is not None:
             self.budgets.refused(st.req, after)  # no replica saw it: its retry is not charged (budgets/credits.py)
-        ir = resp.immediate_response
+        elif st.req is not None and ir.status.code == 429 and self.budgets.retry_refused(st.req):
+            R.forbid_retry(resp)  # its retry would be refused as a retry storm (a 5xx: business layers retry anyway)
         m.REJECTIONS.labels(str(ir.status.code), ir.details.removeprefix("sluice_")).inc()
         return resp
 

@@ -97,6 +97,24 @@ def retry_asked(resp: pb.ProcessingResponse) -> float | None:
     return after if asked else None
 
 
+RETRY_REFUSED_NOTE = ("; do not retry now: this tenant's retries are over its retry budget, and a retry would be "
+                      "refused (retry_budget_exceeded)")
+
+
+def forbid_retry(resp: pb.ProcessingResponse) -> bool:
+    """Turn an immediate answer's `x-should-retry: true` into false, and say why in its error message; True if it
+    asked for a retry. For a refusal whose retry the retry budget would refuse (budgets/retry.py)."""
+    ir = resp.immediate_response
+    for h in ir.headers.set_headers:
+        if h.header.key == "x-should-retry" and h.header.raw_value == b"true":
+            h.header.raw_value = b"false"
+            body = orjson.loads(ir.body)
+            body["error"]["message"] += RETRY_REFUSED_NOTE
+            ir.body = orjson.dumps(body)
+            return True
+    return False
+
+
 @lru_cache(maxsize=4096)
 def pin_metadata(pins: str) -> struct_pb2.Struct:
     """`{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port"}}`, cached per pin list

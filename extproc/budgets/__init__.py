@@ -150,6 +150,15 @@ class Budgets:
         `retry_after_s`: that retry will not be charged to the retry share (budgets/credits.py)."""
         self.retry.refused(ident(req.tenant), time.monotonic() if now is None else now, retry_after_s)
 
+    def retry_refused(self, req: LLMRequest, now: float | None = None) -> bool:
+        """Would a retry of `req` be refused by the retry share now (no credits, `retry.py`)? Asked when the
+        gateway refuses `req` with a 429 and `x-should-retry: true`: a client should not be told to retry what its
+        retry budget will refuse. False when unknown (Redis holds the shared counts: a refusal does not wait on it)."""
+        if not self.retry.enabled or self.retry.credits is not None:
+            return False
+        check = self.retry.check(req, ident(req.tenant))
+        return self.store.retry_refused(check, time.time() if now is None else now) is True
+
     # ------------------------------------------------------------------------------------------------ admit
     async def admit(self, req: LLMRequest, now: float | None = None) -> Charge:
         """Check every budget and charge them all, or raise BudgetExceeded having charged nothing."""

@@ -24,6 +24,7 @@ from extproc.budgets.ops import (
     TENANT_LIMIT,
     AdmitOp,
     AdmitResult,
+    RetryCheck,
     SettleOp,
     scaled,
     window_index,
@@ -141,6 +142,29 @@ class MemoryStore:
         if expires < self._active_min.get(key, math.inf):
             self._active_min[key] = expires
 
+    def _retry_windows(self, r: RetryCheck, now: float) -> list[_Window]:
+        """The pool's admitted and retries windows, then the tenant's."""
+        idx = window_index(now, r.window_s)[0]
+        return [self._window(n + s, idx, r.window_s) for n in (r.pool, r.tenant) for s in (":a", ":r")]
+
+    def _retry_over(self, r: RetryCheck, wins: list[_Window], now: float) -> tuple[str, float, float] | None:
+        """Would one more retry exceed the share (retry.py's formula)? (scope, retries, allowed) if so."""
+        floor = scaled(r.floor, self.share)
+        keep = 1.0 - window_index(now, r.window_s)[1]
+        for j, scope in ((2, "tenant"), (0, "pool")):
+            adm = wins[j].cur + wins[j].prev * keep
+            ret = wins[j + 1].cur + wins[j + 1].prev * keep
+            if j == 2 and ret + 1 <= floor:
+                return None  # within the tenant's own floor: no other tenant's retries can refuse it
+            allowed = max(floor, r.share * (adm + 1))
+            if ret + 1 > allowed:
+                return scope, ret, allowed
+        return None
+
+    def retry_refused(self, r: RetryCheck, now: float) -> bool:
+        """Would a retry in `r`'s scopes be refused now? A read: nothing is charged."""
+        return self._retry_over(r, self._retry_windows(r, now), now) is not None
+
     # ------------------------------------------------------------------------------------------------ operations
     async def admit(self, op: AdmitOp) -> AdmitResult:
         return self.admit_sync(op)
@@ -167,19 +191,12 @@ class MemoryStore:
         # 2. retry share: the tenant's own, then the pool's for a retry past the tenant's floor
         r = op.retry
         if r is not None:
-            idx, frac = window_index(now, r.window_s)
-            wins = [self._window(n + s, idx, r.window_s) for n in (r.pool, r.tenant) for s in (":a", ":r")]
+            wins = self._retry_windows(r, now)
             if is_retry:
-                floor = scaled(r.floor, share)
-                keep = 1.0 - frac
-                for j, scope in ((2, "tenant"), (0, "pool")):
-                    adm = wins[j].cur + wins[j].prev * keep
-                    ret = wins[j + 1].cur + wins[j + 1].prev * keep
-                    if j == 2 and ret + 1 <= floor:
-                        break  # within the tenant's own floor: no other tenant's retries can refuse it
-                    allowed = max(floor, r.share * (adm + 1))
-                    if ret + 1 > allowed:
-                        return AdmitResult(RETRY_BUDGET, True, backend, detail=scope, used=ret, limit=allowed)
+                over = self._retry_over(r, wins, now)
+                if over is not None:
+                    scope, ret, allowed = over
+                    return AdmitResult(RETRY_BUDGET, True, backend, detail=scope, used=ret, limit=allowed)
         # 3. task budget
         t = op.task
         task = None

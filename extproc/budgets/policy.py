@@ -90,7 +90,9 @@ class RetryPolicy:
                                       # per refusal, until its retry-after + window_s; budgets/credits.py). Off by
                                       # default: such retries are then served late and displace fresh requests
                                       # (SLO goodput P1 10.7 against 12.1 req/s, real PX 3.0 against 3.75), for
-                                      # more requests completed at all (P5 6.62 against 5.54 req/s)
+                                      # more requests completed at all (P5 6.62 against 5.54 req/s). Off, such a
+                                      # refusal, if a 429, says `x-should-retry: false` while the retry would be
+                                      # refused
     use_idempotency_key: bool = True  # recognise retries / duplicates by the `Idempotency-Key` header
     use_request_id: bool = True       # recognise them by a reused request id (`x-request-id`)
     use_fingerprint: bool = False     # recognise them by an identical body from the same tenant. Off by default:

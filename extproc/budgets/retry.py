@@ -19,7 +19,11 @@ already retrying too much) and Retry-After = the window.
 
 A retry of a request this sidecar refused before any replica saw it, with `x-should-retry: true`, is free: the
 refusal grants the tenant a credit (credits.py), and a retry that takes one is neither checked against nor counted
-in the share (policy `credit_refused`, off by default: see there).
+in the share (policy `credit_refused`, off by default: see there). Without credits, such a refusal, when it is a
+429, says `x-should-retry: false` instead while the tenant's next retry would be refused (`Budgets.retry_refused`,
+a read of the same formula): a client told to retry and then refused as a retry storm waited for nothing (real
+PX: 15 of 21 shed requests). A 503 keeps `true`: a business layer retries a 5xx whatever the header says, and
+there it is the SDK retry's 429 that stops it (P6's outage: more attempts when the 503 said false).
 
 The checks and the counters live in the store's combined admit (one round trip with Redis).
 """
@@ -82,7 +86,12 @@ class RetryBudget:
             op.retry_hint = False
             self._credited.get(req.model).inc()
             return
-        op.retry = RetryCheck(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
+        op.retry = self.check(req, tenant)
+
+    def check(self, req: LLMRequest, tenant: str) -> RetryCheck:
+        """The share `req`'s retries are checked against: its pool's and its tenant's (`tenant`: ident)."""
+        p = self.policy
+        return RetryCheck(f"rw:p:{ident(req.model)}", f"rw:t:{tenant}", p.max_share, p.floor, p.window_s)
 
     def admitted(self, req: LLMRequest, is_retry: bool) -> None:
         if is_retry:

@@ -274,3 +274,36 @@ async def test_a_credited_retry_still_meets_the_duplicate_check(make_budgets) ->
     with pytest.raises(BudgetExceeded) as exc:
         await b.admit(req(model="dup", request_id="same", retry_count=1), now=T0)
     assert exc.value.code == "duplicate_in_flight"
+
+
+@pytest.mark.asyncio
+async def test_whether_a_retry_would_be_refused_is_read_without_charging(make_budgets) -> None:
+    """`Budgets.retry_refused`: the gateway asks it before telling a refused client to retry. It reads the share's
+    formula (the tenant's floor of 3, then 10 % of admitted) and charges nothing; with Redis holding the shared
+    counts it does not know (False: the refusal keeps x-should-retry: true rather than wait on a round trip)."""
+    b = await make_budgets()
+    first = req(model="peek")
+    await b.admit(first, now=T0)
+    for _ in range(3):
+        assert not b.retry_refused(first, now=T0)
+        await b.admit(req(model="peek", retry_count=1), now=T0)
+    if make_budgets.kind == "redis":
+        assert not b.retry_refused(first, now=T0)
+        return
+    for _ in range(5):  # asking changes nothing
+        assert b.retry_refused(first, now=T0)
+    with pytest.raises(BudgetExceeded):
+        await b.admit(req(model="peek", retry_count=1), now=T0)
+    assert not b.retry_refused(req(model="peek", tenant="other"), now=T0)  # another tenant is within its floor
+    assert not b.retry_refused(first, now=T0 + 20)  # the window has passed
+
+
+@pytest.mark.asyncio
+async def test_with_credits_a_refused_request_is_always_told_to_retry(make_budgets) -> None:
+    """With `credit_refused`, the refusal itself earns the retry a credit (credits.py): it is never refused."""
+    b = await make_budgets(retry={"credit_refused": True})
+    for _ in range(3):
+        await b.admit(req(model="credited", retry_count=1), now=T0)
+    with pytest.raises(BudgetExceeded):
+        await b.admit(req(model="credited", retry_count=1), now=T0)
+    assert not b.retry_refused(req(model="credited"), now=T0)

@@ -168,3 +168,61 @@ def test_the_retries_of_refused_requests_are_admitted_beyond_the_retry_floor(cap
         codes = [http.post("/v1/chat/completions", json={**body, "max_tokens": 4}, headers=retry).status_code
                  for _ in range(refused + 3)]  # one free retry per refusal, then the tenant's floor of 3
     assert codes == [200] * (refused + 3), codes
+
+
+@pytest.fixture(scope="module")
+def capped_default_stack(tmp_path_factory: pytest.TempPathFactory):
+    s = make_stack(tmp_path_factory.mktemp("capped-default"), {"sidecar": {"max_open_requests": 3}})
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_refused_client_is_not_told_to_retry_what_its_retry_budget_would_refuse(capped_default_stack: Stack):
+    """At the shipped defaults (no retry credits): a refusal at the open-request cap tells the client to retry
+    while its tenant's retries fit the retry budget, and not to (x-should-retry: false, and why) once they would
+    be refused as retry_budget_exceeded. The openai SDK, with its 2 retries, then raises at once: the sidecar
+    sees one attempt per refused call."""
+    import httpx
+
+    from .conftest import metric_sum
+
+    stack = capped_default_stack
+    body = {"model": "sim-model", "max_tokens": 200, "messages": [{"role": "user", "content": "x"}]}
+
+    async def burst_answers() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as http:
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(8)))
+
+    refused = [r for r in asyncio.run(burst_answers()) if r.status_code == 429]
+    assert refused and all(r.headers["x-should-retry"] == "true" for r in refused)
+    # The tenant's retries: its floor of 3 per 10 s window fits, the fourth is refused as a retry storm.
+    retry = {"x-stainless-retry-count": "1"}
+    with httpx.Client(base_url=stack.base_url, timeout=30) as http:
+        codes = [http.post("/v1/chat/completions", json={**body, "max_tokens": 4}, headers=retry).status_code
+                 for _ in range(4)]
+    assert codes == [200, 200, 200, 429], codes
+
+    cap = {"status": "429", "reason": "gateway_at_capacity"}
+    before = metric_sum(stack.metrics_url, "sluice_rejections_total", **cap)
+
+    async def sdk_burst() -> list[openai.RateLimitError]:
+        c = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=2)
+
+        async def one() -> openai.RateLimitError | None:
+            try:
+                await c.chat.completions.create(model="sim-model", max_tokens=200,
+                                                messages=[{"role": "user", "content": "x"}])
+            except openai.RateLimitError as e:
+                return e
+            return None
+        return [e for e in await asyncio.gather(*(one() for _ in range(8))) if e is not None]
+
+    errors = asyncio.run(sdk_burst())
+    assert errors
+    for e in errors:
+        assert e.code == "gateway_at_capacity" and e.response.headers["x-should-retry"] == "false"
+        assert "do not retry now" in e.message and "retry_budget_exceeded" in e.message
+    assert metric_sum(stack.metrics_url, "sluice_rejections_total", **cap) - before == len(errors)
