@@ -117,6 +117,11 @@ async def make_budgets(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     url = request.getfixturevalue("redis_server").url if kind == "redis" else None
 
     async def make(capacity: Any = None, **sections: Any) -> Budgets:
+        if kind == "redis":  # patient timeouts: these tests are about the algorithms, not the fallback, and at the
+            # default 50 ms a stall of this shared machine fell back to the local share (test_fallback.py tests it)
+            store = dict(sections.get("store", {}))
+            store["redis"] = {"connect_timeout_s": 5.0, "socket_timeout_s": 5.0, **store.get("redis", {})}
+            sections["store"] = store
         b = Budgets(policy(kind, url, prefix, **sections), capacity_rps=capacity)
         await b.start()
         made.append(b)
