@@ -21,13 +21,9 @@ def auth_stack(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("auth")
     keys = Path(tmp) / "keys.yaml"
     keys.write_text("sk-acme: acme\nsk-globex: globex\n")
-    s = make_stack(tmp, {"tenants": {"auth": True, "keys_file": str(keys), "keys_env": "",
-                                     "max_streams_per_tenant": 2}})
-    s.start()
-    try:
+    with make_stack(tmp, {"tenants": {"auth": True, "keys_file": str(keys), "keys_env": "",
+                                      "max_streams_per_tenant": 2}}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def client(stack: Stack, key: str) -> openai.AsyncOpenAI:
@@ -82,13 +78,9 @@ def test_tenant_stream_limit_rejects_cleanly_and_spares_other_tenants(auth_stack
 
 @pytest.fixture(scope="module")
 def metered_stack(tmp_path_factory: pytest.TempPathFactory):
-    s = make_stack(tmp_path_factory.mktemp("metered"), {"streaming": {"sample_rate": 0.0,
-                                                                       "metered_tenants": ["gold"]}})
-    s.start()
-    try:
+    with make_stack(tmp_path_factory.mktemp("metered"), {"streaming": {"sample_rate": 0.0,
+                                                                        "metered_tenants": ["gold"]}}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_metered_tenant_requests_are_observed(metered_stack: Stack):
@@ -117,13 +109,9 @@ def test_metered_tenant_requests_are_observed(metered_stack: Stack):
 
 @pytest.fixture(scope="module")
 def capped_stack(tmp_path_factory: pytest.TempPathFactory):
-    s = make_stack(tmp_path_factory.mktemp("capped"), {"sidecar": {"max_open_requests": 3},
-                                                       "budgets": {"retry": {"credit_refused": True}}})
-    s.start()
-    try:
+    with make_stack(tmp_path_factory.mktemp("capped"), {"sidecar": {"max_open_requests": 3},
+                                                        "budgets": {"retry": {"credit_refused": True}}}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_open_request_cap_rejects_excess_cleanly(capped_stack: Stack):
@@ -172,12 +160,8 @@ def test_the_retries_of_refused_requests_are_admitted_beyond_the_retry_floor(cap
 
 @pytest.fixture(scope="module")
 def capped_default_stack(tmp_path_factory: pytest.TempPathFactory):
-    s = make_stack(tmp_path_factory.mktemp("capped-default"), {"sidecar": {"max_open_requests": 3}})
-    s.start()
-    try:
+    with make_stack(tmp_path_factory.mktemp("capped-default"), {"sidecar": {"max_open_requests": 3}}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_a_refused_client_is_not_told_to_retry_what_its_retry_budget_would_refuse(capped_default_stack: Stack):
