@@ -6,9 +6,9 @@ replica generates (streaming.py). A fixed `admission.decode_s_per_token` is wron
 about 3x too slow for the simulated tiny-cpu engine (5-7 ms per token measured in P5), so requests that would
 have been answered in time were refused.
 
-The measurement: every scrape window's mean inter-token latency per replica (the engine's
-`vllm:inter_token_latency_seconds` histogram: delta of its sum / delta of its count, routing/scrape.py), weighted
-by the intervals each window holds, over the healthy replicas at full weight (a sick replica's slowness is
+The measurement: each replica's mean inter-token latency over the last second (`History.recent_s`: the engine's
+`vllm:inter_token_latency_seconds` histogram, delta of its sum / delta of its count, routing/scrape.py), weighted
+by the intervals each holds, over the healthy replicas at full weight (a sick replica's slowness is
 health's business):
 
     decode_s_per_token = sum(itl_r x n_r) / sum(n_r)        while sum(n_r) >= MIN_INTERVALS
@@ -21,6 +21,9 @@ A measurement older than STALE_S is not `current`: deadlines then plan with the 
 (placement.py `answer_decode_s`). Refusals decode nothing, so a speed measured while the engines were slow would
 otherwise refuse every later request, and nothing would ever measure it again: real P5 measured ~50 ms per token
 while both engines ran at a third of their speed, and refused 32 of the 36 requests after they had recovered.
+The measurement covers the last second, not the scrape's 10 s window, for the same reason: the window kept the
+slowdown's intervals for 10 s after it ended, renewed as a measurement at every scrape (real P5 after P4: 37 ms
+per token read from engines running nothing, 36 of 36 requests refused after the slowdown).
 """
 
 from __future__ import annotations

@@ -35,6 +35,12 @@ unreachable unless the replica has also stopped serving requests).
     recent p95 TTFT: the same quantile over the last `recent_s` only (slow start judges each step by the first
               tokens of that step: `routing.health.slow_start_step_s`).
 
+    mean inter-token latency: delta of the histogram's sum / delta of its count, over the last `recent_s` too
+              (the whole window without one). Admission plans deadlines with it (decode_time.py) and must see
+              the engines' speed now: over 10 s, the intervals of a slowdown that had ended kept the mean at
+              the slow speed, renewed at every scrape, and refused every request after it (real P5 run after
+              P4: 36 of 36, 0.037 s per token read from engines that ran nothing).
+
     p95 TTFT: the bucket deltas form a histogram of the window's first tokens; the quantile is interpolated
               linearly inside the bucket holding rank 0.95 x count (Prometheus' histogram_quantile: the lowest
               bucket starts at 0; a rank in the +Inf bucket returns the highest finite bound).
@@ -84,8 +90,8 @@ class ScrapedState(EngineState):
                                        # the prompt counter, the mean real prompt per request (token calibration)
     ttft_p95_recent_s: float = 0.0     # p95 TTFT over the last `History.recent_s` only (slow start's step)
     ttft_count_recent: float = 0.0     # first tokens within that short window
-    itl_s: float = 0.0                 # mean inter-token latency over the window (0: no token in it, or not
-                                       # exported); admission learns decode time per token from it
+    itl_s: float = 0.0                 # mean inter-token latency over the last `History.recent_s` (0: no token
+                                       # in it, or not exported); admission learns decode time per token from it
     itl_count_window: float = 0.0      # inter-token intervals that mean covers
     prefix_queries_total: float = -1.0  # the prefix-cache counters, in tokens (-1: not exported); admission
     prefix_hits_total: float = -1.0     # confirms its prefix affinity from their deltas
@@ -383,7 +389,7 @@ def _went_down(new: float | None, old: float | None) -> bool:
 
 class History:
     """Recent cumulative snapshots of one replica, bounded; windowed deltas over `window_s` (and the TTFT
-    quantile also over the last `recent_s`)."""
+    quantile and the mean inter-token latency also over the last `recent_s`)."""
 
     __slots__ = ("window_s", "max_gap_s", "recent_s", "snaps", "bounds")
 
@@ -449,21 +455,26 @@ class History:
             st.generation_tps = p.generation_tps_gauge
         if p.cache_hit_rate is not None:
             st.prefix_hit_rate = p.cache_hit_rate
-        _fill_itl(st, new, base)
+        _fill_itl(st, new, self._recent_base())
 
-    def _fill_recent(self, st: ScrapedState) -> None:
-        """p95 TTFT and first tokens over the last `recent_s` (the newest snapshot at or before now - recent_s
-        is the base; with fewer snapshots, the window's)."""
-        if self.recent_s <= 0:
-            return
+    def _recent_base(self) -> _Snap:
+        """The base of the short window: the newest snapshot at or before now - recent_s (with fewer snapshots,
+        or no short window, the window's base)."""
         snaps = self.snaps
-        new = snaps[-1]
-        start = new.t - self.recent_s
-        base = snaps[0]
+        if self.recent_s <= 0:
+            return snaps[0]
+        start = snaps[-1].t - self.recent_s
         for s in reversed(snaps):
             if s.t <= start:
-                base = s
-                break
+                return s
+        return snaps[0]
+
+    def _fill_recent(self, st: ScrapedState) -> None:
+        """p95 TTFT and first tokens over the last `recent_s`."""
+        if self.recent_s <= 0:
+            return
+        new = self.snaps[-1]
+        base = self._recent_base()
         if base is new or len(base.ttft) != len(new.ttft):
             return
         deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
@@ -472,7 +483,7 @@ class History:
 
 
 def _fill_itl(st: ScrapedState, new: _Snap, base: _Snap) -> None:
-    """The window's mean inter-token latency: delta of the histogram's sum / delta of its count."""
+    """The mean inter-token latency since `base`: delta of the histogram's sum / delta of its count."""
     if new.itl_count is None or base.itl_count is None or new.itl_sum is None or base.itl_sum is None:
         return
     n = new.itl_count - base.itl_count

@@ -208,6 +208,21 @@ def test_mean_inter_token_latency_over_the_window():
     assert st.itl_s == 0.0
 
 
+def test_mean_inter_token_latency_covers_the_last_recent_s_only():
+    # a slowdown: 200 intervals of 50 ms by t=104; then the engine runs nothing (the counters stand still). The
+    # 10 s window still holds the slow intervals; the short window does not, so no mean is read (0), and decode
+    # time goes stale instead of refusing deadlines at the slow speed (decode_time.py)
+    hist = History(10.0, maxlen=100, recent_s=1.0)
+    pages = [(100.0, vllm_page(itl=(0.0, 0))), (104.0, vllm_page(itl=(10.0, 200)))]
+    pages += [(104.0 + 0.2 * i, vllm_page(itl=(10.0, 200))) for i in range(1, 11)]
+    for t, page in pages:
+        st = build_state(t, VP.parse(page), hist)
+    assert st.itl_s == 0.0 and st.itl_count_window == 0.0
+    # fast tokens again: 100 intervals of 10 ms in the last second; the mean is theirs, not mixed with the slow ones
+    st = build_state(106.2, VP.parse(vllm_page(itl=(11.0, 300))), hist)
+    assert st.itl_s == pytest.approx(0.01) and st.itl_count_window == 100
+
+
 def test_prefix_cache_counters_are_passed_as_read():
     st = state_after([(100.0, vllm_page(prefix=(5000.0, 1280.0)))])
     assert (st.prefix_queries_total, st.prefix_hits_total) == (5000.0, 1280.0)
