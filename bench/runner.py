@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -743,6 +744,14 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM ends the run as an exception would: the `finally` blocks stop every stack, simulator and engine this
+    run started (each in its own session, so a killed runner would leave them running). A second SIGTERM during
+    that cleanup is ignored; SIGKILL is always there."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sluice bench run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -781,12 +790,16 @@ def main(argv: list[str]) -> int:
 
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
-    result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
-                           results_dir=results_dir, keep_runs=args.keep_runs,
-                           command="sluice bench run " + " ".join(argv), backend=backend, replicas=args.replicas,
-                           json_path=Path(args.json) if args.json else None, seeds=args.seeds,
-                           records_dir=Path(args.records) if args.records else None)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        backend = make_backend(args.backend, Path(tempfile.mkdtemp(prefix="sluice-vllm-logs-")), args.vllm)
+        result = run_scenarios(names, systems, args.quick, args.seed, plots=not args.no_plots,
+                               results_dir=results_dir, keep_runs=args.keep_runs,
+                               command="sluice bench run " + " ".join(argv), backend=backend,
+                               replicas=args.replicas, json_path=Path(args.json) if args.json else None,
+                               seeds=args.seeds, records_dir=Path(args.records) if args.records else None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     meta = result["_meta"]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
