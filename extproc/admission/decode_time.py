@@ -57,7 +57,7 @@ class DecodeTime:
             if r.state != HEALTHY or r.weight < 1.0:
                 continue
             e = r.engine
-            n = getattr(e, "itl_count_window", 0.0)
+            n = getattr(e, "itl_count_recent", 0.0)
             itl = getattr(e, "itl_s", 0.0)
             if n > 0 and itl > 0:
                 total_s += itl * n

@@ -92,7 +92,7 @@ class ScrapedState(EngineState):
     ttft_count_recent: float = 0.0     # first tokens within that short window
     itl_s: float = 0.0                 # mean inter-token latency over the last `History.recent_s` (0: no token
                                        # in it, or not exported); admission learns decode time per token from it
-    itl_count_window: float = 0.0      # inter-token intervals that mean covers
+    itl_count_recent: float = 0.0      # inter-token intervals that mean covers
     prefix_queries_total: float = -1.0  # the prefix-cache counters, in tokens (-1: not exported); admission
     prefix_hits_total: float = -1.0     # confirms its prefix affinity from their deltas
 
@@ -429,6 +429,7 @@ class History:
         snaps = self.snaps
         new = snaps[-1]
         base = snaps[0]
+        recent = self._recent_base()
         span = new.t - base.t
         n = len(snaps)
         st.running_avg = sum(s.running for s in snaps) / n
@@ -450,12 +451,12 @@ class History:
                 deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
                 st.ttft_count_window = deltas[-1]
                 st.ttft_p95_s = histogram_quantile(0.95, self.bounds, deltas)
-                self._fill_recent(st)
+                self._fill_recent(st, recent)
         elif p.generation_tps_gauge is not None:
             st.generation_tps = p.generation_tps_gauge
         if p.cache_hit_rate is not None:
             st.prefix_hit_rate = p.cache_hit_rate
-        _fill_itl(st, new, self._recent_base())
+        _fill_itl(st, new, recent)
 
     def _recent_base(self) -> _Snap:
         """The base of the short window: the newest snapshot at or before now - recent_s (with fewer snapshots,
@@ -469,12 +470,11 @@ class History:
                 return s
         return snaps[0]
 
-    def _fill_recent(self, st: ScrapedState) -> None:
-        """p95 TTFT and first tokens over the last `recent_s`."""
+    def _fill_recent(self, st: ScrapedState, base: _Snap) -> None:
+        """p95 TTFT and first tokens over the last `recent_s` (`base`: `_recent_base`)."""
         if self.recent_s <= 0:
             return
         new = self.snaps[-1]
-        base = self._recent_base()
         if base is new or len(base.ttft) != len(new.ttft):
             return
         deltas = [a - b for a, b in zip(new.ttft, base.ttft)]
@@ -489,7 +489,7 @@ def _fill_itl(st: ScrapedState, new: _Snap, base: _Snap) -> None:
     n = new.itl_count - base.itl_count
     if n > 0:
         st.itl_s = (new.itl_sum - base.itl_sum) / n
-        st.itl_count_window = n
+        st.itl_count_recent = n
 
 
 def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> ScrapedState:

@@ -196,15 +196,15 @@ def test_decode_time_is_the_pools_token_weighted_inter_token_latency():
     rs = [Replica(address=f"a:{i}", pool="m") for i in range(3)]
     d = DecodeTime(0.02)
     assert d.update(rs) == 0.02  # nothing measured: the configured start value
-    scrape(rs[0], 1.0, itl_s=0.005, itl_count_window=300)
-    scrape(rs[1], 1.0, itl_s=0.008, itl_count_window=100)
-    scrape(rs[2], 1.0, itl_s=0.5, itl_count_window=100)
+    scrape(rs[0], 1.0, itl_s=0.005, itl_count_recent=300)
+    scrape(rs[1], 1.0, itl_s=0.008, itl_count_recent=100)
+    scrape(rs[2], 1.0, itl_s=0.5, itl_count_recent=100)
     rs[2].state = DEGRADED  # a sick replica's slowness is health's business
     assert d.update(rs) == pytest.approx((0.005 * 300 + 0.008 * 100) / 400)
     for r in rs:  # an idle window: the last measurement stands
-        scrape(r, 2.0, itl_s=0.0, itl_count_window=0)
+        scrape(r, 2.0, itl_s=0.0, itl_count_recent=0)
     assert d.update(rs) == pytest.approx(0.00575)
-    scrape(rs[0], 3.0, itl_s=1e-6, itl_count_window=1000)  # bounded to a factor 10 of the configured value
+    scrape(rs[0], 3.0, itl_s=1e-6, itl_count_recent=1000)  # bounded to a factor 10 of the configured value
     assert d.update(rs) == pytest.approx(0.002)
 
 
@@ -218,10 +218,10 @@ def test_a_decode_time_no_newer_window_confirms_stops_deciding_deadlines():
     r = Replica(address="a:0", pool="m")
     d = DecodeTime(0.02)
     assert not d.current(0.0)  # nothing measured yet
-    scrape(r, 1.0, itl_s=0.05, itl_count_window=200)
+    scrape(r, 1.0, itl_s=0.05, itl_count_recent=200)
     d.update([r], 1.0)
     assert d.current(1.0 + STALE_S) and d.value == pytest.approx(0.05)
-    scrape(r, 1.2, itl_s=0.0, itl_count_window=0)  # refused traffic: nothing decodes
+    scrape(r, 1.2, itl_s=0.0, itl_count_recent=0)  # refused traffic: nothing decodes
     d.update([r], 1.0 + STALE_S + 0.1)
     assert not d.current(1.0 + STALE_S + 0.1)
     p = placer(n=1)

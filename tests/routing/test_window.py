@@ -202,7 +202,7 @@ def test_prompt_and_first_token_counters_reach_the_state():
 def test_mean_inter_token_latency_over_the_window():
     # 100 intervals of 20 ms by t=100, then 400 more of 10 ms by t=101: the window's mean is 10 ms
     st = state_after([(100.0, vllm_page(itl=(2.0, 100))), (101.0, vllm_page(itl=(6.0, 500)))])
-    assert st.itl_s == pytest.approx(0.01) and st.itl_count_window == 400
+    assert st.itl_s == pytest.approx(0.01) and st.itl_count_recent == 400
     # no token in the window: no mean (0), not a stale one
     st = state_after([(100.0, vllm_page(itl=(2.0, 100))), (101.0, vllm_page(itl=(2.0, 100)))])
     assert st.itl_s == 0.0
@@ -217,10 +217,10 @@ def test_mean_inter_token_latency_covers_the_last_recent_s_only():
     pages += [(104.0 + 0.2 * i, vllm_page(itl=(10.0, 200))) for i in range(1, 11)]
     for t, page in pages:
         st = build_state(t, VP.parse(page), hist)
-    assert st.itl_s == 0.0 and st.itl_count_window == 0.0
+    assert st.itl_s == 0.0 and st.itl_count_recent == 0.0
     # fast tokens again: 100 intervals of 10 ms in the last second; the mean is theirs, not mixed with the slow ones
     st = build_state(106.2, VP.parse(vllm_page(itl=(11.0, 300))), hist)
-    assert st.itl_s == pytest.approx(0.01) and st.itl_count_window == 100
+    assert st.itl_s == pytest.approx(0.01) and st.itl_count_recent == 100
 
 
 def test_prefix_cache_counters_are_passed_as_read():
