@@ -64,7 +64,8 @@ class AdmissionPolicy:
                                           # slots costs no other request anything
     max_waiting_per_replica: int = 2      # dispatch only while the engine's own waiting queue is at most this
     prefill_tokens_per_s: float = 10000.0  # replica prefill speed, for predicted TTFT: the start value, then
-                                           # learned from saturated engines (admission/prefill_rate.py)
+                                           # learned from the engines: saturated intervals, and at light load
+                                           # their finished requests' prefill times (admission/prefill_rate.py)
     prefill_knee_tokens: float = 1024.0   # the context length at which a prompt token's attention costs as much
                                           # as the rest of its prefill: per-token prefill time grows as
                                           # 1 + context / knee (placement.py `prefill_work`). A property of the

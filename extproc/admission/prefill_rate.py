@@ -19,6 +19,21 @@ the estimate is probed upwards (x PROBE per scrape) until a queue forms and a re
 Completed prompts are counted in one lump, so no single scrape may raise a replica's estimate by more than MAX_STEP
 (a long prompt finishing inside a short interval is not a speed).
 
+A second lower bound needs no queue at all: vLLM records, for each request it finishes, the seconds from its first
+scheduling to its first token (`vllm:request_prefill_time_seconds`) and the prompt tokens it computed
+(`vllm:request_prefill_kv_computed_tokens`, cache hits excluded). Over the requests finished in one scrape interval:
+
+    finished speed = n x prefill_work(computed / n) / prefill seconds
+
+(n requests, their computed tokens and prefill seconds: the deltas of the histograms' _count and _sum). Each request
+had at most the whole engine for its prefill (it shared it with the other requests' prefills and decodes), so its
+own work over its own prefill time is at most the engine's speed; the work of the mean prompt is at most the mean
+work (prefill work is convex in the prompt) and charging the computed tokens from position 0 is at most their cost
+after a cached prefix. At light load (the real engines in P7 and PX never queue) this is the only measurement there
+is: without it the gate stayed at the configured 10,000 work/s against ~12,000 real, and long prompts were shed
+that the engines had room for. It can raise the estimate (or hold a saturated measurement above it), never lower
+it; MAX_STEP applies.
+
 Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let long
 ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the speed is
 measured in work, not tokens: the tokens computed in the interval x the work per uncached token of this sidecar's
@@ -44,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from extproc.routing.pool import HEALTHY, RECOVERING, Replica
 
@@ -69,14 +85,19 @@ class _Seen:
     rate: float = 0.0          # learned prefill work/s (0: never measured)
     measured_at: float = 0.0
     lane: int = -1             # largest lane with a request in flight on the replica when measured
+    prefill_s: float = -1.0    # the engine's finished requests then: their prefill seconds (-1: not exported),
+    prefilled: float = -1.0    # their number ...
+    computed: float = -1.0     # ... and the prompt tokens they computed
 
 
 class PrefillRate:
     """Per pool. `update` after every scrape round; `current` is the speed the placer should use."""
 
-    def __init__(self, prior: float, long_lane: int = 1 << 30) -> None:
+    def __init__(self, prior: float, long_lane: int = 1 << 30,
+                 work: Callable[[float], float] | None = None) -> None:
         self.prior = prior
-        self.long_lane = long_lane  # no measurement while a request of this lane (or above) is in flight
+        self.long_lane = long_lane  # no counter measurement while a request of this lane (or above) is in flight
+        self.work = work or float   # prefill work of a cold prompt of n tokens (placement.py `prefill_work`)
         self.seen: dict[str, _Seen] = {}
 
     def update(self, replicas: list[Replica], now: float) -> float:
@@ -109,9 +130,10 @@ class PrefillRate:
         delta = total - s.total
         if hits >= s.hits >= 0:
             delta -= hits - s.hits  # tokens found in the prefix cache were not computed
+        old = self._relaxed(s, at)
+        new = 0.0
         if (learn and s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0
                 and _top_lane(r) < self.long_lane):
-            old = self._relaxed(s, at)
             meas = delta / span * _work_per_token(r)
             if s.waiting > 0 and e.waiting > 0:  # saturated all along: the engine's speed
                 new = (1 - ALPHA) * old + ALPHA * meas
@@ -119,12 +141,26 @@ class PrefillRate:
                 new = max(old, meas)
             elif e.waiting == 0 and meas >= KEEP_UP * old:  # kept up with the gate, no queue: probe
                 new = old * PROBE
-            else:
-                new = 0.0
-            if new > 0:
-                s.rate, s.measured_at = min(new, old * MAX_STEP), at
-                s.lane = _top_lane(r)
+        low = self._finished_speed(s, e) if learn else 0.0
+        if low > (new or old):  # the finished requests' speed is a lower bound of the engine's
+            new = low
+        if new > 0:
+            s.rate, s.measured_at = min(new, old * MAX_STEP), at
+            s.lane = _top_lane(r)
         s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
+        s.prefill_s = getattr(e, "prefill_seconds_total", -1.0)
+        s.prefilled = getattr(e, "prefilled_requests_total", -1.0)
+        s.computed = getattr(e, "prefill_computed_total", -1.0)
+
+    def _finished_speed(self, s: _Seen, e: object) -> float:
+        """n x prefill_work(computed / n) / prefill seconds over the requests the engine finished since the
+        previous scrape (0: none, not exported, or a counter went down)."""
+        seconds = getattr(e, "prefill_seconds_total", -1.0) - s.prefill_s
+        n = getattr(e, "prefilled_requests_total", -1.0) - s.prefilled
+        computed = getattr(e, "prefill_computed_total", -1.0) - s.computed
+        if s.prefill_s < 0 or s.prefilled < 0 or s.computed < 0 or seconds <= 0 or n <= 0 or computed <= 0:
+            return 0.0
+        return n * self.work(computed / n) / seconds
 
     def _relaxed(self, s: _Seen, now: float) -> float:
         if s.rate <= 0:

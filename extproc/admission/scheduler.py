@@ -153,7 +153,7 @@ class Scheduler:
         self.service_s = [0.0] * n  # EWMA of dispatch-to-release time, per lane
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
-        self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1))
+        self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1), work=placer.prefill_work)
         self.decode = DecodeTime(policy.decode_s_per_token)
         self.seq_cap = SeqCap()
         self.calibration = TokenCalibration(policy.calibrate_prompt_tokens)

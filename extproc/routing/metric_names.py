@@ -22,6 +22,8 @@ hit rate) which are averaged; histogram buckets summed per `le`.
 | errors_total           | vllm:request_success_total{finished_reason=error|abort} | -                               |
 | prefix_hit_rate (ext.) | vllm:prefix_cache_hits_total / _queries_total (deltas)  | sglang:cache_hit_rate           |
 | itl_s (ext.)           | vllm:inter_token_latency_seconds _sum / _count (deltas) | sglang:inter_token_latency_seconds |
+| prefill_seconds_total, prefilled_requests_total (ext.) | vllm:request_prefill_time_seconds _sum, _count | -     |
+| prefill_computed_total (ext.) | vllm:request_prefill_kv_computed_tokens _sum     | -                               |
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class MetricNames:
     prefix_hits: tuple[str, ...] = ()         # counter (tokens)
     cache_hit_rate: tuple[str, ...] = ()      # a 0..1 gauge (SGLang)
     itl: tuple[str, ...] = ()                 # inter-token latency histogram (family names): its mean only
+    # per finished request: seconds from its first scheduling to its first token, and the prompt tokens it computed
+    # (histogram family names; their _sum and _count only)
+    prefill_time: tuple[str, ...] = ()
+    prefill_computed: tuple[str, ...] = ()
 
     def samples(self) -> dict[str, tuple[int, str, int]]:
         """sample name -> (kind, field, preference); what the line scanner dispatches on."""
@@ -86,6 +92,9 @@ class MetricNames:
         add(self.cache_hit_rate, FRACTION, "cache_hit_rate")
         add(self.itl, HIST_STAT, "itl_sum", "_sum")
         add(self.itl, HIST_STAT, "itl_count", "_count")
+        add(self.prefill_time, HIST_STAT, "prefill_s_sum", "_sum")
+        add(self.prefill_time, HIST_STAT, "prefill_s_count", "_count")
+        add(self.prefill_computed, HIST_STAT, "prefill_new_sum", "_sum")
         return out
 
 
@@ -104,6 +113,8 @@ VLLM = MetricNames(
     prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     itl=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    prefill_time=("vllm:request_prefill_time_seconds",),
+    prefill_computed=("vllm:request_prefill_kv_computed_tokens",),
 )
 
 SGLANG = MetricNames(

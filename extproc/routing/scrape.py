@@ -95,6 +95,10 @@ class ScrapedState(EngineState):
     itl_count_recent: float = 0.0      # inter-token intervals that mean covers
     prefix_queries_total: float = -1.0  # the prefix-cache counters, in tokens (-1: not exported); admission
     prefix_hits_total: float = -1.0     # confirms its prefix affinity from their deltas
+    prefill_seconds_total: float = -1.0   # over the requests the engine finished: the seconds from each one's first
+    prefilled_requests_total: float = -1.0  # scheduling to its first token, their number, and the prompt tokens
+    prefill_computed_total: float = -1.0  # they computed (-1: not exported); admission reads a lower bound of the
+                                          # prefill speed from their deltas, even when no engine queues
 
 
 class Parsed:
@@ -103,7 +107,7 @@ class Parsed:
     __slots__ = ("running", "waiting", "kv_usage", "preemptions", "generation_tokens", "prompt_tokens",
                  "generation_tps_gauge", "kv_capacity_tokens", "prefix_queries", "prefix_hits", "cache_hit_rate",
                  "ttft_bounds", "ttft_cum", "ttft_count", "finished", "errors", "cache_info_tokens",
-                 "cache_block_tokens", "itl_sum", "itl_count")
+                 "cache_block_tokens", "itl_sum", "itl_count", "prefill_s_sum", "prefill_s_count", "prefill_new_sum")
 
     def __init__(self) -> None:
         self.running = self.waiting = self.kv_usage = self.preemptions = None
@@ -118,6 +122,9 @@ class Parsed:
         self.cache_block_tokens: int | None = None  # block_size: the engine shares a prompt's prefix in whole blocks
         self.itl_sum: float | None = None      # the inter-token latency histogram's _sum and _count
         self.itl_count: float | None = None
+        self.prefill_s_sum: float | None = None    # the prefill-time histogram's _sum and _count, and the
+        self.prefill_s_count: float | None = None  # computed-prompt-tokens histogram's _sum (per finished request)
+        self.prefill_new_sum: float | None = None
 
     @property
     def first_tokens(self) -> float | None:
@@ -520,6 +527,7 @@ def build_state(now: float, p: Parsed, hist: History, outage: bool = True) -> Sc
     if first is not None:
         st.first_tokens_total = first
     _fill_prefix_totals(st, p)
+    _fill_prefill_totals(st, p)
     return st
 
 
@@ -528,6 +536,14 @@ def _fill_prefix_totals(st: ScrapedState, p: Parsed) -> None:
     if p.prefix_queries is not None and p.prefix_hits is not None:
         st.prefix_queries_total = p.prefix_queries
         st.prefix_hits_total = p.prefix_hits
+
+
+def _fill_prefill_totals(st: ScrapedState, p: Parsed) -> None:
+    """The finished requests' prefill sums as read (admission takes its own deltas between scrapes)."""
+    if p.prefill_s_sum is not None and p.prefill_s_count is not None and p.prefill_new_sum is not None:
+        st.prefill_seconds_total = p.prefill_s_sum
+        st.prefilled_requests_total = p.prefill_s_count
+        st.prefill_computed_total = p.prefill_new_sum
 
 
 def is_fresh(replica: Replica, now: float, stale_after_s: float) -> bool:

@@ -54,6 +54,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's 1-2-5 token buckets up to the model's context (here up to 100,000 tokens)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(5) for m in (1, 2, 5)) + (100_000,)
 
 
 class Histogram:
@@ -108,6 +110,10 @@ class EngineStats:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    # Per finished request (stop or length; a client's abort is not observed, as in vLLM): its first scheduling to
+    # its first token, and the prompt tokens it computed (the prompt less its prefix-cache hit).
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    prefill_computed: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
 
 
 class Request:
@@ -115,7 +121,7 @@ class Request:
 
     __slots__ = (
         "rid", "prompt_len", "max_output", "arrival", "ready_at", "hashes", "status",
-        "num_computed", "num_output", "private_blocks", "shared", "first_scheduled",
+        "num_computed", "num_output", "private_blocks", "shared", "first_scheduled", "cached",
         "first_token_at", "last_token_at", "finish_reason", "preemptions", "client_gone",
         "ghost_tokens", "stop_reason", "waiter", "notify_each", "tag", "deadline",
     )
@@ -136,6 +142,7 @@ class Request:
         self.private_blocks = 0
         self.shared: list[int] = []  # hashes of the cached blocks it holds (leading blocks)
         self.first_scheduled: float | None = None
+        self.cached = 0  # prompt tokens found in the prefix cache when first scheduled
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
         self.finish_reason: str | None = None
@@ -355,6 +362,9 @@ class Engine:
         self._by_id.pop(req.rid, None)
         if reason != "abort":
             st.e2e.observe((now - req.arrival) / st.time_scale)
+            if req.first_token_at is not None and req.first_scheduled is not None:
+                st.prefill_time.observe((req.first_token_at - req.first_scheduled) / st.time_scale)
+                st.prefill_computed.observe(req.prompt_len - req.cached)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -457,6 +467,7 @@ class Engine:
                         and req.preemptions == 0:
                     self.stats.prefix_queries += req.prompt_len
                     self.stats.prefix_hits += computed
+                    req.cached = computed
                 if hit_blocks:
                     hashes = req.hashes
                     assert hashes is not None

@@ -45,6 +45,8 @@ VLLM_NAMES = {
     "itl": "vllm:inter_token_latency_seconds",
     "queue": "vllm:request_queue_time_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
+    "prefill_time": "vllm:request_prefill_time_seconds",
+    "prefill_computed": "vllm:request_prefill_kv_computed_tokens",
 }
 SGLANG_NAMES = {
     "running": "sglang:num_running_reqs",
@@ -143,6 +145,10 @@ class SimCollector(Collector):
         yield _hist(n["queue"], "Histogram of time spent in WAITING phase for request.", labels, values,
                     st.queue)
         yield _hist(n["e2e"], "Histogram of e2e request latency in seconds.", labels, values, st.e2e)
+        yield _hist(n["prefill_time"], "Histogram of time spent in PREFILL phase for request.", labels, values,
+                    st.prefill_time)
+        yield _hist(n["prefill_computed"], "Histogram of new KV tokens computed during prefill (excluding cached "
+                    "tokens).", labels, values, st.prefill_computed)
 
     def _sglang(self, eng: Engine) -> Iterator[Metric]:
         n = SGLANG_NAMES

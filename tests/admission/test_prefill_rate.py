@@ -161,3 +161,51 @@ def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
         pace = pr.update(rs, 2.0 + 0.2 * k)
     assert pace < 3_000
 
+
+
+def finished(rs: list[Replica], at: float, seconds: float, n: float, computed: float, waiting: int = 0) -> None:
+    """A scrape where the engines report finished requests' prefill sums and nothing queues (prompt counter flat)."""
+    for r in rs:
+        r.on_scrape(ScrapedState(scraped_at=at, waiting=waiting, prompt_tokens_total=0.0,
+                                 prefill_seconds_total=seconds, prefilled_requests_total=n,
+                                 prefill_computed_total=computed))
+
+
+def test_finished_requests_prefill_times_raise_the_speed_without_any_queue():
+    """Light load (real P7, PX): no engine ever queues, so no interval measures the engine. The requests it finished
+    say how fast their own prefills went: 4 prompts of 3,000 computed tokens in 0.8 prefill seconds is at least
+    4 x work(3,000) / 0.8 = 15,000 tokens/s with work linear (knee 0), and more with the attention term."""
+    rs, pr = replicas(), PrefillRate(10_000)
+    finished(rs, 1.0, 0.0, 0, 0)
+    assert pr.update(rs, 1.0) == 10_000  # nothing finished yet
+    finished(rs, 1.2, 0.8, 4, 12_000)
+    assert abs(pr.update(rs, 1.2) - 15_000) < 1
+    knee = PrefillRate(10_000, work=lambda n: n * (2_048 + n) / (2_048 + 1_024))
+    finished(rs, 1.4, 0.8, 4, 12_000)
+    knee.update(rs, 1.4)
+    finished(rs, 1.6, 1.6, 8, 24_000)  # the same 4 requests again: 4 x 3,000 x 5,048 / 3,072 / 0.8 = 24,648/s,
+    assert knee.update(rs, 1.6) == 15_000  # capped at x1.5 per scrape
+
+
+def test_finished_requests_only_raise_the_speed_and_a_restart_measures_nothing():
+    rs, pr = replicas(), PrefillRate(10_000)
+    finished(rs, 1.0, 0.0, 0, 0)
+    pr.update(rs, 1.0)
+    finished(rs, 1.2, 2.0, 4, 12_000)  # 6,000/s: slower than assumed, but only a lower bound
+    assert pr.update(rs, 1.2) == 10_000
+    finished(rs, 1.4, 0.1, 1, 2_000)  # the counters went down (the engine restarted): no measurement
+    assert pr.update(rs, 1.4) == 10_000
+    finished(rs, 1.6, 0.2, 2, 4_000)  # measured from the restarted counters: 2 x 2,000 / 0.1 s
+    assert pr.update(rs, 1.6) == 15_000
+
+
+def test_finished_requests_hold_a_saturated_measurement_above_their_bound():
+    rs, pr = replicas(), PrefillRate(10_000)
+    for r in rs:
+        r.on_scrape(ScrapedState(scraped_at=1.0, waiting=3, prompt_tokens_total=0.0, prefill_seconds_total=0.0,
+                                 prefilled_requests_total=0.0, prefill_computed_total=0.0))
+    pr.update(rs, 1.0)
+    for r in rs:  # saturated at 2,500/s (averaged in: 6,250), while the finished requests ran at 9,000/s at least
+        r.on_scrape(ScrapedState(scraped_at=1.2, waiting=3, prompt_tokens_total=500.0, prefill_seconds_total=0.5,
+                                 prefilled_requests_total=3.0, prefill_computed_total=4_500.0))
+    assert pr.update(rs, 1.2) == 9_000

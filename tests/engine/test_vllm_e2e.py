@@ -27,6 +27,8 @@ from bench.vllm_cpu import (SERVED_MODEL, DutyCycle, Engine, EngineSpec, install
                             stop_engines)
 from extproc.admin.client import AdminClient, AdminError, to_dict
 from extproc.config import policy_from_dict
+from extproc.routing.metric_names import VLLM
+from extproc.routing.scrape import History, MetricsParser, ScrapedState, build_state
 from extproc.supervisor import Stack, with_free_ports
 
 pytestmark = pytest.mark.engine
@@ -154,6 +156,31 @@ def test_non_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> 
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 3
     assert r.choices[0].message.content
+
+
+def test_the_engine_exports_what_the_light_load_prefill_speed_reads(stack: tuple[Stack, Engine]) -> None:
+    """Admission's light-load prefill speed (admission/prefill_rate.py) reads, per finished request, vLLM's prefill
+    seconds and computed prompt tokens: a finished request moves both, by its own prompt and a positive time."""
+    s, e = stack
+
+    def state() -> ScrapedState:
+        with urllib.request.urlopen(e.url + "/metrics", timeout=10) as r:
+            return build_state(time.monotonic(), MetricsParser(VLLM).parse(r.read()), History(10.0, 64))
+
+    before = state()
+    assert before.prefilled_requests_total >= 0 and before.prefill_computed_total >= 0  # exported by vLLM 0.32
+    r = client(s).chat.completions.create(model=SERVED_MODEL, max_tokens=2,
+                                          messages=[{"role": "user", "content": "count " * 300}])
+    assert r.usage is not None
+
+    def counted() -> bool:  # vLLM refreshes its histograms in lumps
+        return state().prefilled_requests_total > before.prefilled_requests_total
+
+    assert wait_until(counted, 10)
+    after = state()
+    assert after.prefilled_requests_total - before.prefilled_requests_total == 1
+    assert 0 < after.prefill_computed_total - before.prefill_computed_total <= r.usage.prompt_tokens
+    assert after.prefill_seconds_total > before.prefill_seconds_total
 
 
 def test_streaming_chat_through_the_gateway(stack: tuple[Stack, Engine]) -> None:

@@ -45,6 +45,9 @@ def test_vllm_page_exact_values():
     assert p.cache_hit_rate is None and p.generation_tps_gauge is None
     # the inter-token latency histogram is read for its mean only (decode time per token, admission)
     assert (p.itl_sum, p.itl_count) == (19.47, 60.0)
+    # the finished requests' prefill seconds and computed prompt tokens (admission/prefill_rate.py)
+    assert (p.prefill_s_sum, p.prefill_s_count) == (19.47, 60.0)
+    assert p.prefill_new_sum == sum(37 * i + 5 for i in range(40))
 
 
 def test_sglang_page_exact_values():

@@ -126,3 +126,27 @@ def test_the_waiting_gauge_counts_only_requests_that_reached_the_engine() -> Non
     assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0' in page()
     now[0] = delay
     assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0' in page()
+
+
+def test_finished_requests_prefill_time_and_computed_tokens_as_vllm_records_them() -> None:
+    """vLLM observes, per request it finishes, the seconds from its first scheduling to its first token and the
+    prompt tokens it computed (its prefix-cache hit excluded); the sidecar reads them as a light-load lower bound
+    of the prefill speed (admission/prefill_rate.py), so the simulator must export them the same way."""
+    from extproc.routing.metric_names import VLLM
+    from extproc.routing.scrape import MetricsParser
+
+    bs = 128
+    e = Engine(TINY_CPU.cost, num_gpu_blocks=200, block_size=bs)
+    ids = list(range(2_000))
+    a = Request("a", len(ids), 4, hashes=block_hashes(ids, bs))
+    run_offline(e, [(0.0, a)])
+    b = Request("b", len(ids), 4, hashes=block_hashes(ids, bs))  # the same prompt: 15 of its blocks cached
+    aborted = Request("c", 3_000, 400)
+    run_offline(e, [(e.clock, b), (e.clock, aborted)], until=e.clock + 0.5)
+    assert not aborted.finished and e.abort("c")
+    run_offline(e, [])
+    p = MetricsParser(VLLM).parse(render(make_registry(SimCollector(lambda: e, "m"))))
+    assert p.prefill_s_count == 2  # a and b; the abort is not observed (vLLM records only what it finished)
+    assert p.prefill_new_sum == 2_000 + (2_000 - 15 * bs)
+    want = sum(r.first_token_at - r.first_scheduled for r in (a, b))  # type: ignore[operator]
+    assert p.prefill_s_sum is not None and abs(p.prefill_s_sum - want) < 1e-9 and want > 0

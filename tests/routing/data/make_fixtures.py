@@ -64,7 +64,9 @@ def vllm_page() -> bytes:
                       ("vllm:request_generation_tokens", "Number of generation tokens processed."),
                       ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested "
                                                                  "generation tokens."),
-                      ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.")):
+                      ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter."),
+                      ("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during "
+                                                                  "prefill (excluding cached tokens).")):
         hh = h(name, doc, TOKEN_BUCKETS)
         for i in range(40):
             hh.observe(37 * i + 5)
