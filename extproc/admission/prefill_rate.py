@@ -30,8 +30,8 @@ had at most the whole engine for its prefill (it shared it with the other reques
 own work over its own prefill time is at most the engine's speed; the work of the mean prompt is at most the mean
 work (prefill work is convex in the prompt) and charging the computed tokens from position 0 is at most their cost
 after a cached prefix. At light load (the real engines in P7 and PX never queue) this is the only measurement there
-is: without it the gate stayed at the configured 10,000 work/s against ~12,000 real, and long prompts were shed
-that the engines had room for. It can raise the estimate (or hold a saturated measurement above it), never lower
+is: without it the gate stayed at the configured 10,000 work/s, where the bound reads 15,000-25,000 on the real
+engines (PX, docs/benchmarks.md). It can raise the estimate (or hold a saturated measurement above it), never lower
 it; MAX_STEP applies.
 
 Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let long
@@ -141,26 +141,25 @@ class PrefillRate:
                 new = max(old, meas)
             elif e.waiting == 0 and meas >= KEEP_UP * old:  # kept up with the gate, no queue: probe
                 new = old * PROBE
-        low = self._finished_speed(s, e) if learn else 0.0
+        prefill_s = getattr(e, "prefill_seconds_total", -1.0)
+        prefilled = getattr(e, "prefilled_requests_total", -1.0)
+        computed = getattr(e, "prefill_computed_total", -1.0)
+        low = self._finished_speed(s, prefill_s, prefilled, computed) if learn else 0.0
         if low > (new or old):  # the finished requests' speed is a lower bound of the engine's
             new = low
         if new > 0:
             s.rate, s.measured_at = min(new, old * MAX_STEP), at
             s.lane = _top_lane(r)
         s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
-        s.prefill_s = getattr(e, "prefill_seconds_total", -1.0)
-        s.prefilled = getattr(e, "prefilled_requests_total", -1.0)
-        s.computed = getattr(e, "prefill_computed_total", -1.0)
+        s.prefill_s, s.prefilled, s.computed = prefill_s, prefilled, computed
 
-    def _finished_speed(self, s: _Seen, e: object) -> float:
+    def _finished_speed(self, s: _Seen, prefill_s: float, prefilled: float, computed: float) -> float:
         """n x prefill_work(computed / n) / prefill seconds over the requests the engine finished since the
-        previous scrape (0: none, not exported, or a counter went down)."""
-        seconds = getattr(e, "prefill_seconds_total", -1.0) - s.prefill_s
-        n = getattr(e, "prefilled_requests_total", -1.0) - s.prefilled
-        computed = getattr(e, "prefill_computed_total", -1.0) - s.computed
-        if s.prefill_s < 0 or s.prefilled < 0 or s.computed < 0 or seconds <= 0 or n <= 0 or computed <= 0:
+        previous scrape (the engine's totals now against `s`'s; 0: none, not exported, or a counter went down)."""
+        seconds, n, new = prefill_s - s.prefill_s, prefilled - s.prefilled, computed - s.computed
+        if min(s.prefill_s, s.prefilled, s.computed) < 0 or seconds <= 0 or n <= 0 or new <= 0:
             return 0.0
-        return n * self.work(computed / n) / seconds
+        return n * self.work(new / n) / seconds
 
     def _relaxed(self, s: _Seen, now: float) -> float:
         if s.rate <= 0:

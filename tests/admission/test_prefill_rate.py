@@ -162,11 +162,10 @@ def test_a_replica_far_slower_than_its_healthy_peers_does_not_pace_the_pool():
     assert pace < 3_000
 
 
-
-def finished(rs: list[Replica], at: float, seconds: float, n: float, computed: float, waiting: int = 0) -> None:
+def finished(rs: list[Replica], at: float, seconds: float, n: float, computed: float) -> None:
     """A scrape where the engines report finished requests' prefill sums and nothing queues (prompt counter flat)."""
     for r in rs:
-        r.on_scrape(ScrapedState(scraped_at=at, waiting=waiting, prompt_tokens_total=0.0,
+        r.on_scrape(ScrapedState(scraped_at=at, waiting=0, prompt_tokens_total=0.0,
                                  prefill_seconds_total=seconds, prefilled_requests_total=n,
                                  prefill_computed_total=computed))
 
