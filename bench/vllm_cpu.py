@@ -12,8 +12,8 @@ real-engine benchmarks. The recipe (shared/VLLM-CPU.md) in code:
   repository's own docs, ChatML chat template) in ``.vllm-model``, with no download; served with
   ``--load-format dummy`` (seeded random weights). Runs inside ``.venv-vllm``.
 * ``start_engines(specs)`` / ``Engine.stop()``: each engine in its own process group, on loopback,
-  with ``VLLM_CPU_OMP_THREADS_BIND`` pinning its compute threads to one core, ready once ``/health``
-  answers 200.
+  the whole engine (API server, EngineCore, worker) on its own core, with ``VLLM_CPU_OMP_THREADS_BIND``
+  binding its compute threads there too, ready once ``/health`` answers 200.
 * ``DutyCycle``: a half-dead replica: the engine's processes get SIGSTOP/SIGCONT so that they run only a
   fraction of each period.
 
@@ -253,6 +253,14 @@ class EngineSpec:
                 "--max-num-seqs", str(self.max_num_seqs), "--enforce-eager",
                 "--kv-cache-memory-bytes", self.kv_bytes, *self.extra_args]
 
+    def cores(self) -> set[int]:
+        """The cores `cpu` names ("0", "0-1", "0,2"), as `os.sched_setaffinity` takes them."""
+        out: set[int] = set()
+        for part in self.cpu.split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VLLM_CPU_KVCACHE_SPACE")}
@@ -343,11 +351,20 @@ class Engine:
 
 
 def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0,
-                  dev_mode: bool = False) -> list[Engine]:
+                  dev_mode: bool = False, whole_core: bool = True) -> list[Engine]:
     """Start one engine per spec (all at once), wait until every ``/health`` is 200; stop all on failure.
 
     ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which adds vLLM's ``POST /reset_prefix_cache`` (the benchmarks
-    empty the prefix cache between systems)."""
+    empty the prefix cache between systems).
+
+    Each engine runs whole on its spec's cores: its API server and EngineCore too, not only the compute threads
+    that ``VLLM_CPU_OMP_THREADS_BIND`` binds. Left to float, an engine's Python processes (the API server
+    streaming tokens, the scheduler's loop) ran on the other engine's core whenever theirs was busy, and one
+    replica's work slowed the other's: on two idle engines, a 5,300-token prompt's TTFT was 0.54 s alone and
+    0.88-1.28 s while the other engine streamed a 300-token answer (both engines whole on their cores:
+    0.52-0.55 s; `bench/contend.py`). Replicas on separate GPUs or hosts do not slow each other that way, and
+    the interference favoured whichever gateway happened to put the heavy requests on one replica.
+    ``whole_core=False`` leaves them floating (only to measure that, `bench/contend.py`)."""
     if not installed():
         raise VllmMissing(missing_message())
     model = build_model()
@@ -361,6 +378,9 @@ def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0
                 proc = subprocess.Popen(spec.argv(model), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, cwd=str(log_dir),
                                         start_new_session=True)
+            # before the API server spawns EngineCore (seconds of imports later), so every process inherits it
+            if whole_core:
+                os.sched_setaffinity(proc.pid, spec.cores())
             engines.append(Engine(spec, proc, log_path))
         for e in engines:
             e.wait_healthy(max(1.0, timeout - (time.monotonic() - e.started_at)))

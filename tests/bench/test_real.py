@@ -115,3 +115,17 @@ def test_an_engine_with_a_scenarios_small_kv_serves_the_context_its_blocks_hold(
     assert "--num-gpu-blocks-override" in started[0][0].extra_args
     assert [s.max_model_len for s in started[1]] == [vllm_cpu.MAX_POSITIONS] * 2 and vllm_cpu.MAX_POSITIONS == 16384
     assert vllm_cpu.context_for_blocks(80) == 10_112  # what vLLM 0.32 said it could serve with 80 blocks
+
+
+def test_an_engine_spec_names_the_cores_its_whole_engine_is_bound_to():
+    """`start_engines` binds every process of an engine to these (bench/contend.py: floating, they slowed the
+    other engine's prefills)."""
+    from bench.vllm_cpu import EngineSpec, engine_specs
+
+    assert EngineSpec(port=1, cpu="1").cores() == {1}
+    assert EngineSpec(port=1, cpu="0-1").cores() == {0, 1}
+    assert EngineSpec(port=1, cpu="0,2-3").cores() == {0, 2, 3}
+    import os
+
+    ncpu = os.cpu_count() or 1
+    assert [s.cores() for s in engine_specs([1, 2])] == [{0}, {1 % ncpu}]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -324,6 +325,20 @@ def _states(pids: list[int]) -> set[str]:
         except (OSError, IndexError):
             pass
     return out
+
+
+def test_every_process_of_the_engine_runs_on_its_own_core(stack: tuple[Stack, Engine]) -> None:
+    """The whole engine, API server and EngineCore included, is bound to its spec's core: left floating, one
+    engine's Python processes ran on the other engine's core and slowed its prefills (bench/contend.py)."""
+    _s, e = stack
+    pids = e.group_pids()
+    assert len(pids) >= 2, "the API server and EngineCore"
+    assert e.spec.cores() == {0}
+    for pid in pids:
+        assert os.sched_getaffinity(pid) == {0}, f"process {pid} may run on other cores"
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                assert os.sched_getaffinity(int(tid)) == {0}, f"thread {tid} of {pid} may run on other cores"
 
 
 def test_duty_cycle_stops_and_resumes_the_engine(stack: tuple[Stack, Engine]) -> None:
