@@ -39,6 +39,13 @@ and every new estimate is the raw one x the factor learned from it (`Scheduler.c
 The first window sets the factor to its target: a pool's text mix is far from 4 bytes per token from the start
 (1.58x on the real-engine rig's text), and every request until the factor fits is mis-laned (P7 on real engines:
 5,000-token prompts estimated at 8,000 predicted a 0.7 s prefill at 2.7 s, the long lane, one replica at a time).
+The first window takes seconds to fill (30,000 estimated tokens: 4 of P7's long prompts, 5 s), and a sidecar that
+just started mis-lanes until then: measured on the real engines, P7's second long prompt waited 1.4 s behind the
+first in the long lane and was shed, twice. So until it closes, the factor already follows what the window holds,
+at every scrape where the sums are exact: every placement on every replica matched by a prefill the engine counted
+(nothing in flight unprefilled), at least WARM_MIN_REQUESTS of them. Boundary errors, a short prompt's prefill
+counted against a long one's placement, cancel at those moments, so a few requests suffice; at a scrape that
+catches a prefill in flight the factor keeps its value.
 Later windows move it towards the target, x (target / factor) ^ ALPHA, by at most MAX_STEP: the mix changes slowly,
 and a change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
 so a factor that moves by more than MAX_STEP starts a new `epoch`: each estimate carries the epoch it was made in
@@ -57,6 +64,7 @@ from extproc.routing.pool import HEALTHY, Replica
 
 WINDOW_TOKENS = 30_000  # estimated prompt tokens per measurement (about 10-20 requests of a typical chat mix)
 MIN_REQUESTS = 10       # ... and at least this many prefills counted by the engines
+WARM_MIN_REQUESTS = 3   # before the first window closes, the factor follows it from this many matched prefills
 ALPHA = 0.7             # weight of a window after the first (geometric): the text mix of a pool changes slowly
 MAX_STEP = 1.15         # no window after the first moves the factor by more than this factor either way
 BOUND = 3.0             # the factor stays within [1 / BOUND, BOUND]
@@ -132,6 +140,7 @@ class TokenCalibration:
         self._real = self._real_n = self._est = self._est_n = 0.0
         self.windows = 0  # measurements taken (for tests and the admin view)
         self.epoch = next(_epochs)  # a new one whenever a window moves the factor by more than MAX_STEP
+        self._epoch_factor = factor  # the factor the epoch began with
 
     def update(self, replicas: list[Replica], now: float) -> float:
         """Add the new scrapes' intervals to the window; close it when it holds enough. Returns the factor."""
@@ -144,20 +153,33 @@ class TokenCalibration:
             self._observe(s, r)
         if self._est >= WINDOW_TOKENS and self._real_n >= MIN_REQUESTS and self._est_n >= MIN_REQUESTS:
             self._close_window(self._real / self._real_n, self._est / self._est_n)
+        elif self.windows == 0 and self._est_n >= WARM_MIN_REQUESTS and self._all_matched():
+            self._set(self._real / self._real_n / (self._est / self._est_n))
         return self.factor
+
+    def _all_matched(self) -> bool:
+        """Every placement on every replica is matched by a prefill the engine counted: the window's sums are
+        exact now (no prefill counted against another request's placement at its edge)."""
+        return all(s.unprefilled_n == 0 for s in self.seen.values())
+
+    def _set(self, factor: float) -> None:
+        """Set the factor (within [1 / BOUND, BOUND]); a new epoch once it is more than MAX_STEP from the factor
+        the epoch began with."""
+        self.factor = min(BOUND, max(1.0 / BOUND, factor))
+        f0 = self._epoch_factor
+        if max(self.factor / f0, f0 / self.factor) > MAX_STEP:
+            self.epoch = next(_epochs)
+            self._epoch_factor = self.factor
 
     def _close_window(self, real_mean: float, raw_mean: float) -> None:
         """The factor after a window whose prefills the engines counted at `real_mean` tokens each and this sidecar
         estimated at `raw_mean` before calibration: real / raw on the first; later, x (real / raw / factor) ^ ALPHA
         within MAX_STEP either way; always within [1 / BOUND, BOUND]."""
-        first = self.windows == 0
-        step = real_mean / raw_mean / self.factor
-        if not first:
-            step = min(MAX_STEP, max(1.0 / MAX_STEP, step ** ALPHA))
-        old = self.factor
-        self.factor = min(BOUND, max(1.0 / BOUND, old * step))
-        if first and max(self.factor / old, old / self.factor) > MAX_STEP:
-            self.epoch = next(_epochs)  # only the first window can move the factor by more than MAX_STEP
+        if self.windows == 0:
+            self._set(real_mean / raw_mean)  # only the first window (and the warm-up) can move it more than MAX_STEP
+        else:
+            step = min(MAX_STEP, max(1.0 / MAX_STEP, (real_mean / raw_mean / self.factor) ** ALPHA))
+            self.factor = min(BOUND, max(1.0 / BOUND, self.factor * step))
         self._real = self._real_n = self._est = self._est_n = 0.0
         self.windows += 1
 

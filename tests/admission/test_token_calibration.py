@@ -7,6 +7,7 @@ from extproc.admission.scheduler import Scheduler
 from extproc.admission.token_calibration import (
     BOUND,
     MAX_STEP,
+    WARM_MIN_REQUESTS,
     WINDOW_TOKENS,
     TokenCalibration,
 )
@@ -69,6 +70,58 @@ def test_first_window_takes_the_whole_ratio_later_ones_move_in_bounded_steps():
     steps = [b / a for a, b in zip(factors, factors[1:])]
     assert len(steps) >= 2 and all(1 / MAX_STEP - 1e-9 <= s <= MAX_STEP + 1e-9 for s in steps)
     assert cal.epoch == first_epoch
+
+
+def test_a_new_sidecar_fits_the_factor_from_its_first_few_prefills():
+    """Until the first window closes (30,000 estimated tokens), the factor follows what it holds once
+    WARM_MIN_REQUESTS prefills are matched: a sidecar that just started lanes P7's 5,300-token prompts (estimated
+    at 8,400) right after its third request, not after the fourth long one (5 s on the real engines)."""
+    e, cal = Engine(real_per_est=0.63), TokenCalibration()
+    e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    cal.update([e.r], 0.01)
+    start_epoch = cal.epoch
+    for raw in (8_400, 450, 560)[:WARM_MIN_REQUESTS - 1]:
+        e.serve(raw, cal)
+        assert cal.update([e.r], e.t) == 1.0
+    e.serve(80, cal)
+    assert abs(cal.update([e.r], e.t) - 0.63) < 1e-9
+    assert cal.windows == 0 and cal.epoch > start_epoch  # the prompt-shift detector relearns in the new units
+    warm_epoch = cal.epoch
+    while cal.windows == 0:  # the first window then lands on the same ratio: no second change of units
+        e.serve(3_000, cal)
+        cal.update([e.r], e.t)
+    assert abs(cal.factor - 0.63) < 1e-9 and cal.epoch == warm_epoch
+
+
+def test_the_warm_up_moves_only_on_exact_sums():
+    """A short prompt placed after a long one can have its first token first: the engine counts 300 real tokens
+    while the oldest placement, the one matched, is the long one's 8,400. The warm-up waits for a scrape where
+    every placement is matched (the window's sums then hold both), instead of reading 300 / 8,400."""
+    cal = TokenCalibration()
+    r = Replica(address="a:1", pool="m")
+    counted = firsts = 0.0
+    t = 0.01
+
+    def scrape() -> float:
+        nonlocal t
+        t += 0.2
+        r.on_scrape(ScrapedState(scraped_at=t, running=1, prompt_tokens_total=counted, first_tokens_total=firsts))
+        return cal.update([r], t)
+
+    scrape()
+    for raw in (400, 500):  # two prompts prefilled in order
+        r.place(raw, raw)
+        counted += raw * 0.6
+        firsts += 1
+        assert scrape() == 1.0
+    r.place(8_400, 8_400)
+    r.place(300, 300)
+    counted += 300 * 0.6  # the short prompt's first token comes first
+    firsts += 1
+    assert scrape() == 1.0  # one placement unmatched: the sums are not exact
+    counted += 8_400 * 0.6
+    firsts += 1
+    assert abs(scrape() - 0.6) < 1e-9
 
 
 def test_a_change_of_prompt_mix_while_the_engine_queues_is_not_an_estimate_error():
