@@ -39,7 +39,8 @@ PATTERNS = ("alone", "B decodes", "B prefills", "A decodes too")
 
 
 async def _ttft(session: Any, url: str, body: dict[str, Any]) -> float:
-    """Seconds from sending `body` to its first content chunk (the whole stream is read)."""
+    """Seconds from sending `body` to its first chunk with a `content` field (the whole stream is read): vLLM sends
+    its first chunk, the role's, with the first output of the engine, so this is the time to first token."""
     t0 = time.monotonic()
     first = None
     async with session.post(url + "/v1/chat/completions", json=body) as resp:

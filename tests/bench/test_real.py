@@ -1,6 +1,7 @@
 """The real-engine results: batches merge into one file, the sim-vs-real table flags a disagreement, and issue
 16's bars judge the 2x margin and the goodput floor."""
 
+import os
 from pathlib import Path
 
 from bench.bars import real_bars
@@ -125,7 +126,5 @@ def test_an_engine_spec_names_the_cores_its_whole_engine_is_bound_to():
     assert EngineSpec(port=1, cpu="1").cores() == {1}
     assert EngineSpec(port=1, cpu="0-1").cores() == {0, 1}
     assert EngineSpec(port=1, cpu="0,2-3").cores() == {0, 2, 3}
-    import os
-
     ncpu = os.cpu_count() or 1
     assert [s.cores() for s in engine_specs([1, 2])] == [{0}, {1 % ncpu}]
