@@ -38,10 +38,13 @@ Speed per token falls as prompts grow (attention is quadratic), so a speed learn
 ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the speed is
 measured in work, not tokens: the tokens computed in the interval x the work per uncached token of this sidecar's
 requests in flight on the replica (`inflight_prefill_work / inflight_prefill_new`), and the placer charges each
-prompt its own work. While the replica runs a request of a larger lane than any it ran when measured (a long prompt
-among short ones, whose own speed was never seen), the configured speed stands. Nothing is measured while a request
-of the last lane (the long prompts) is in flight: its prompt is counted in one lump when its prefill ends, seconds
-later, and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's
+prompt its own work. A measurement speaks for the largest lane in flight on the replica during its interval (at the
+scrape that opened it or the one that closed it: a finished request's prefill time is read after it left). While the
+replica runs a request of a larger lane than any it ran when measured (a long prompt among short ones, whose own
+speed was never seen), the speed of the peers measured with that lane in flight stands, if slower, and the
+configured speed when none was. Nothing is measured from the prompt counter while a request of the last lane (the
+long prompts) was in flight in the interval: its prompt is counted in one lump when its prefill ends, seconds later,
+and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's
 is the slowest healthy replica's: the cautious choice when one replica holds a long prompt and the others do not
 (that is its lane rule, above). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy
 peers' is left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8). Each
@@ -85,6 +88,7 @@ class _Seen:
     rate: float = 0.0          # learned prefill work/s (0: never measured)
     measured_at: float = 0.0
     lane: int = -1             # largest lane with a request in flight on the replica when measured
+    top: int = -1              # largest lane in flight on it at the previous scrape
     prefill_s: float = -1.0    # the engine's finished requests then: their prefill seconds (-1: not exported),
     prefilled: float = -1.0    # their number ...
     computed: float = -1.0     # ... and the prompt tokens they computed
@@ -117,7 +121,15 @@ class PrefillRate:
         return speed
 
     def _speed(self, s: _Seen, r: Replica, now: float) -> float:
-        return self.prior if _lane_unseen(s, r) else self._relaxed(s, now)
+        if not _lane_unseen(s, r):
+            return self._relaxed(s, now)
+        return min(self._relaxed(s, now), self._speed_of_lane(_top_lane(r), now))
+
+    def _speed_of_lane(self, lane: int, now: float) -> float:
+        """The slowest speed of the replicas measured while a request of `lane` or larger was in flight (the pool's
+        replicas run on like hardware: the placer paces them with one speed); the configured one when none was."""
+        measured = [self._relaxed(p, now) for p in self.seen.values() if p.rate > 0 and p.lane >= lane]
+        return min(measured) if measured else self.prior
 
     def _observe(self, s: _Seen, r: Replica, learn: bool = True) -> None:
         e = r.engine
@@ -131,9 +143,11 @@ class PrefillRate:
         if hits >= s.hits >= 0:
             delta -= hits - s.hits  # tokens found in the prefix cache were not computed
         old = self._relaxed(s, at)
+        top = _top_lane(r)
+        lane = max(top, s.top)  # the largest lane in flight during the interval, as far as the scrapes saw
         new = 0.0
         if (learn and s.total >= 0 and total >= 0 and span >= MIN_SPAN_S and delta > 0
-                and _top_lane(r) < self.long_lane):
+                and lane < self.long_lane):
             meas = delta / span * _work_per_token(r)
             if s.waiting > 0 and e.waiting > 0:  # saturated all along: the engine's speed
                 new = (1 - ALPHA) * old + ALPHA * meas
@@ -149,8 +163,8 @@ class PrefillRate:
             new = low
         if new > 0:
             s.rate, s.measured_at = min(new, old * MAX_STEP), at
-            s.lane = _top_lane(r)
-        s.at, s.total, s.waiting, s.hits = at, total, e.waiting, hits
+            s.lane = lane
+        s.at, s.total, s.waiting, s.hits, s.top = at, total, e.waiting, hits, top
         s.prefill_s, s.prefilled, s.computed = prefill_s, prefilled, computed
 
     def _finished_speed(self, s: _Seen, prefill_s: float, prefilled: float, computed: float) -> float:

@@ -81,6 +81,37 @@ def test_a_larger_lane_in_flight_than_when_measured_falls_back_to_the_configured
     assert pr.update(rs, 1.2) == 10_000
 
 
+def test_a_larger_lane_falls_back_to_a_peer_measured_with_it_in_flight():
+    """The pool's replicas run on like hardware: a replica that now runs its first long prompt is paced by the
+    speed its peer showed with one in flight, when that is slower than its own, not by the configured speed."""
+    rs, pr = replicas(2), PrefillRate(10_000)
+    rs[0].lane_inflight, rs[1].lane_inflight = [0, 0, 1], [0, 1, 0]
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    rs[0].on_scrape(ScrapedState(scraped_at=1.2, waiting=2, prompt_tokens_total=4_000))  # 20,000/s: 15,000
+    rs[1].on_scrape(ScrapedState(scraped_at=1.2, waiting=2, prompt_tokens_total=5_000))  # 25,000/s: 15,000
+    pr.update(rs, 1.2)
+    rs[0].on_scrape(ScrapedState(scraped_at=1.4, waiting=2, prompt_tokens_total=6_000))  # 10,000/s: 12,500
+    rs[1].on_scrape(ScrapedState(scraped_at=1.4, waiting=2, prompt_tokens_total=10_000))  # 25,000/s: 20,000
+    pr.update(rs, 1.4)
+    rs[1].lane_inflight = [0, 1, 1]  # replica 1's first long prompt: replica 0's speed with one, the slower
+    assert 12_000 < pr.update(rs, 1.4) < 12_500
+
+
+def test_a_measurement_speaks_for_the_lanes_in_flight_when_its_interval_opened():
+    """A finished request's prefill time is read after it left: the scrape that reports it may find nothing in
+    flight, yet the speed was measured with that request's lane running."""
+    rs, pr = replicas(1), PrefillRate(10_000)
+    rs[0].lane_inflight = [0, 0, 1]
+    finished(rs, 1.0, 0.0, 0, 0)
+    pr.update(rs, 1.0)
+    rs[0].lane_inflight = [0, 0, 0]
+    finished(rs, 1.2, 0.2, 1, 3_000)  # the long prompt finished: 15,000/s at least
+    assert pr.update(rs, 1.2) == 15_000
+    rs[0].lane_inflight = [0, 0, 1]  # the next long prompt: the speed measured with one in flight holds
+    assert pr.update(rs, 1.2) == 15_000
+
+
 def test_relaxes_back_to_the_configured_speed():
     rs, pr = replicas(), PrefillRate(10_000)
     scrape(rs, 1.0, 0, waiting=2)
@@ -116,6 +147,10 @@ def test_nothing_is_measured_while_a_long_prompt_is_in_flight():
     pr.update(rs, 1.0)
     scrape(rs, 1.2, 25_000, waiting=2)  # a 25,000-token prompt's prefill ended: one lump, not a speed
     assert pr.update(rs, 1.2) == 10_000
+    for r in rs:
+        r.lane_inflight = [0, 1, 0]  # it left before the next scrape: its lump is still in this interval
+    scrape(rs, 1.4, 50_000, waiting=2)
+    assert pr.update(rs, 1.4) == 10_000
 
 
 def test_a_replica_back_from_an_outage_keeps_its_learned_speed():
