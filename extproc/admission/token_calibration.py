@@ -153,14 +153,16 @@ class TokenCalibration:
             self._observe(s, r)
         if self._est >= WINDOW_TOKENS and self._real_n >= MIN_REQUESTS and self._est_n >= MIN_REQUESTS:
             self._close_window(self._real / self._real_n, self._est / self._est_n)
-        elif self.windows == 0 and self._est_n >= WARM_MIN_REQUESTS and self._all_matched():
+        elif self.windows == 0 and self._est_n >= WARM_MIN_REQUESTS and self._all_matched(replicas):
             self._set(self._real / self._real_n / (self._est / self._est_n))
         return self.factor
 
-    def _all_matched(self) -> bool:
-        """Every placement on every replica is matched by a prefill the engine counted: the window's sums are
-        exact now (no prefill counted against another request's placement at its edge)."""
-        return all(s.unprefilled_n == 0 for s in self.seen.values())
+    def _all_matched(self, replicas: list[Replica]) -> bool:
+        """Every placement on every replica of the pool is matched by a prefill the engine counted: the window's
+        sums are exact now (no prefill counted against another request's placement at its edge). A replica that
+        left the pool counts no more prefills: its unmatched placements would hold the warm-up off for good."""
+        seen = self.seen
+        return all(seen[r.address].unprefilled_n == 0 for r in replicas)
 
     def _set(self, factor: float) -> None:
         """Set the factor (within [1 / BOUND, BOUND]); a new epoch once it is more than MAX_STEP from the factor

@@ -124,6 +124,24 @@ def test_the_warm_up_moves_only_on_exact_sums():
     assert abs(scrape() - 0.6) < 1e-9
 
 
+def test_a_replica_that_left_the_pool_does_not_hold_the_warm_up_off():
+    """Its placements were never prefilled (it left with them in flight): only the pool's replicas must be
+    matched for the sums to be exact."""
+    cal = TokenCalibration()
+    a, gone = Engine(real_per_est=0.6), Engine(real_per_est=0.6, address="10.0.0.2:8000")
+    for e in (a, gone):
+        e.r.on_scrape(ScrapedState(scraped_at=0.01, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    cal.update([a.r, gone.r], 0.01)
+    gone.r.place(2_000, 2_000)
+    gone.t = 0.2
+    gone.r.on_scrape(ScrapedState(scraped_at=0.2, running=1, prompt_tokens_total=0.0, first_tokens_total=0.0))
+    cal.update([a.r, gone.r], 0.2)  # placed there, its prefill not yet counted; then it leaves the pool
+    for _ in range(WARM_MIN_REQUESTS):
+        a.serve(1_000, cal)
+        factor = cal.update([a.r], a.t)
+    assert abs(factor - 0.6) < 1e-9 and cal.windows == 0
+
+
 def test_a_change_of_prompt_mix_while_the_engine_queues_is_not_an_estimate_error():
     """P10: the app's prompts grow 5.5x while the engine still prefills the old ones from its queue. Placements
     and prefills compared as they happen read that lag as an estimate error (first window 0.54 for 2/3 at
