@@ -362,8 +362,9 @@ def start_engines(specs: list[EngineSpec], log_dir: Path, timeout: float = 240.0
     streaming tokens, the scheduler's loop) ran on the other engine's core whenever theirs was busy, and one
     replica's work slowed the other's: a 5,300-token prompt's TTFT was 0.54 s alone, 0.85 s (0.79-0.95) while the
     other engine prefilled the same prompt and up to 1.46 s while it streamed a 300-token answer; whole on their
-    cores, 0.54-0.56 s (medians of 5, `python -m bench.contend`, bench/results/engine-contention.json). Replicas on separate GPUs or hosts do not slow each other that way, and
-    the interference favoured whichever gateway happened to put the heavy requests on one replica.
+    cores, 0.54-0.56 s (medians of 5, `python -m bench.contend`, bench/results/engine-contention.json). Replicas on
+    separate GPUs or hosts do not slow each other that way, and the interference favoured whichever gateway happened
+    to put the heavy requests on one replica.
     ``whole_core=False`` leaves them floating (only to measure that, `bench/contend.py`)."""
     if not installed():
         raise VllmMissing(missing_message())

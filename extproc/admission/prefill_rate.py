@@ -127,7 +127,9 @@ class PrefillRate:
 
     def _speed_of_lane(self, lane: int, now: float) -> float:
         """The slowest speed of the replicas measured while a request of `lane` or larger was in flight (the pool's
-        replicas run on like hardware: the placer paces them with one speed); the configured one when none was."""
+        replicas run on like hardware: the placer paces them with one speed); the configured one when none was.
+        Every replica this tracker has seen counts, one that left the pool or fell sick with its last speed, which
+        relaxes back to the configured one (RELAX_S)."""
         measured = [self._relaxed(p, now) for p in self.seen.values() if p.rate > 0 and p.lane >= lane]
         return min(measured) if measured else self.prior
 

@@ -42,10 +42,10 @@ The first window sets the factor to its target: a pool's text mix is far from 4 
 The first window takes seconds to fill (30,000 estimated tokens: 4 of P7's long prompts, 5 s), and a sidecar that
 just started mis-lanes until then: measured on the real engines, P7's second long prompt waited 1.4 s behind the
 first in the long lane and was shed, twice. So until it closes, the factor already follows what the window holds,
-at every scrape where the sums are exact: every placement on every replica matched by a prefill the engine counted
-(nothing in flight unprefilled), at least WARM_MIN_REQUESTS of them. Boundary errors, a short prompt's prefill
-counted against a long one's placement, cancel at those moments, so a few requests suffice; at a scrape that
-catches a prefill in flight the factor keeps its value.
+at every scrape where the sums are exact: every placement on every replica of the pool matched by a prefill the
+engine counted (nothing in flight unprefilled), at least WARM_MIN_REQUESTS of them. Boundary errors, a short
+prompt's prefill counted against a long one's placement, cancel at those moments, so a few requests suffice; at a
+scrape that catches a prefill in flight the factor keeps its value.
 Later windows move it towards the target, x (target / factor) ^ ALPHA, by at most MAX_STEP: the mix changes slowly,
 and a change of the app's prompts must not read as one of units. The prompt-shift detector (P10) compares estimates,
 so a factor that moves by more than MAX_STEP starts a new `epoch`: each estimate carries the epoch it was made in
