@@ -34,35 +34,34 @@ is: without it the gate stayed at the configured 10,000 work/s, where the bound 
 engines (PX, docs/benchmarks.md). It can raise the estimate (or hold a saturated measurement above it), never lower
 it; MAX_STEP applies.
 
-Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let long
-ones in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the speed is
-measured in work, not tokens: the tokens computed in the interval x the work per uncached token of this sidecar's
-requests in flight on the replica (`inflight_prefill_work / inflight_prefill_new`), and the placer charges each
-prompt its own work. A measurement speaks for the largest lane in flight on the replica during its interval (at the
-scrape that opened it or the one that closed it: a finished request's prefill time is read after it left). While the
-replica runs a request of a larger lane than any it ran when measured (a long prompt among short ones, whose own
-speed was never seen), the speed of the peers measured with that lane in flight stands, if slower, and the
-configured speed when none was. Nothing is measured from the prompt counter while a request of the last lane (the
-long prompts) was in flight in the interval: its prompt is counted in one lump when its prefill ends, seconds later,
-and would read as a burst of speed (measured in P2). The placer uses one speed for the pool, so the pool's
-is the slowest healthy replica's: the cautious choice when one replica holds a long prompt and the others do not
-(that is its lane rule, above). A replica whose learned speed is under 1 / OUTLIER of the median of its healthy
-peers' is left out of that minimum: it is sick, not slow because of its prompts, and health takes it out (P8). Each
-replica keeps an EWMA of its measurements that relaxes back to the configured speed when no new one comes (the
-prompt mix may have changed), and it stays within a factor of the configured value so a bogus counter cannot open
-or close the gate entirely. Only HEALTHY and RECOVERING replicas are measured (a sick one's speed is health's
-business) and only HEALTHY ones at full weight set the pool's speed; when none is (every replica back from an
-outage at once, P6) the recovering ones' speeds do. A replica keeps what it learned through an outage: the engine
-that comes back runs on the same hardware, and forgetting it put the gate back at the configured 10,000 tokens/s
-against ~25,000 real while the backlog of the outage waited (P6: 2,350 prefill_backlog refusals with the replicas'
-KV near 5 %); slow start (health.py) backs off if it comes back slower.
+Speed per token falls as prompts grow (attention is quadratic), so a speed learned on short prompts would let long ones
+in too fast (measured in P2: learned on 2,000-token prompts, applied to 25,000-token ones). So the speed is measured in
+work, not tokens: the tokens computed in the interval x the work per uncached token of this sidecar's requests in flight
+on the replica (`inflight_prefill_work / inflight_prefill_new`), and the placer charges each prompt its own work. A
+measurement speaks for the largest lane in flight on the replica during its interval (at the scrape that opened it or
+the one that closed it: a finished request's prefill time is read after it left). While the replica runs a request of a
+larger lane than any it ran when measured (a long prompt among short ones, whose own speed was never seen), the speed of
+the peers that pace the pool (below) measured with that lane in flight stands, if slower, and the configured speed when
+none was. Nothing is measured from the prompt counter while a request of the last lane (the long prompts) was in flight
+in the interval: its prompt is counted in one lump when its prefill ends, seconds later, and would read as a burst of
+speed (measured in P2). The placer uses one speed for the pool, so the pool's is the slowest healthy replica's: the
+cautious choice when one replica holds a long prompt and the others do not (that is its lane rule, above). A replica
+whose learned speed is under 1 / OUTLIER of the median of its healthy peers' is left out of that minimum: it is sick,
+not slow because of its prompts, and health takes it out (P8). Each replica keeps an EWMA of its measurements that
+relaxes back to the configured speed when no new one comes (the prompt mix may have changed), and it stays within a
+factor of the configured value so a bogus counter cannot open or close the gate entirely. Only HEALTHY and RECOVERING
+replicas are measured (a sick one's speed is health's business) and only HEALTHY ones at full weight set the pool's
+speed; when none is (every replica back from an outage at once, P6) the recovering ones' speeds do. A replica keeps what
+it learned through an outage: the engine that comes back runs on the same hardware, and forgetting it put the gate back
+at the configured 10,000 tokens/s against ~25,000 real while the backlog of the outage waited (P6: 2,350 prefill_backlog
+refusals with the replicas' KV near 5 %); slow start (health.py) backs off if it comes back slower.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from extproc.routing.pool import HEALTHY, RECOVERING, Replica
 
@@ -75,6 +74,7 @@ KEEP_UP = 0.8         # ... "keeps up": it prefilled at least this share of the 
 MAX_STEP = 1.5        # no scrape raises an estimate by more than this factor
 OUTLIER = 3.0         # a healthy replica learned this many times slower than the median of its peers does not
                       # pace the pool (the factor by which health judges a replica's TTFT against its peers)
+T = TypeVar("T")  # what `_without_outliers` carries along with each rate
 
 
 @dataclass(slots=True)
@@ -103,22 +103,26 @@ class PrefillRate:
         self.long_lane = long_lane  # no counter measurement while a request of this lane (or above) is in flight
         self.work = work or float   # prefill work of a cold prompt of n tokens (placement.py `prefill_work`)
         self.seen: dict[str, _Seen] = {}
+        self._pacers: list[_Seen] = []  # the replicas that pace the pool at the latest update (`_speed_of_lane`)
 
     def update(self, replicas: list[Replica], now: float) -> float:
-        """Take the new scrapes' measurements; return the pool's prefill speed (work per second) now."""
-        rates = []
-        recovering = []
+        """Take the new scrapes' measurements; return the pool's prefill speed (work per second) now: the slowest
+        `_speed` of the pacing replicas, the HEALTHY ones at full weight less the outliers (`_without_outliers`),
+        else the RECOVERING ones, else the configured speed."""
+        healthy: list[tuple[float, tuple[_Seen, Replica]]] = []
+        recovering: list[tuple[float, tuple[_Seen, Replica]]] = []
         for r in replicas:
             s = self.seen.get(r.address)
             if s is None:
                 s = self.seen[r.address] = _Seen()
             self._observe(s, r, learn=r.state == HEALTHY or r.state == RECOVERING)
             if r.state == HEALTHY and r.weight >= 1.0:
-                rates.append((self._relaxed(s, now), self._speed(s, r, now)))
+                healthy.append((self._relaxed(s, now), (s, r)))
             elif r.state == RECOVERING:
-                recovering.append((0.0, self._speed(s, r, now)))
-        _, speed = min(_without_outliers(rates) or recovering or [(0.0, self.prior)], key=lambda x: x[1])
-        return speed
+                recovering.append((0.0, (s, r)))
+        pacers = [seen for _, seen in _without_outliers(healthy) or recovering]
+        self._pacers = [s for s, _ in pacers]
+        return min((self._speed(s, r, now) for s, r in pacers), default=self.prior)
 
     def _speed(self, s: _Seen, r: Replica, now: float) -> float:
         if not _lane_unseen(s, r):
@@ -126,11 +130,11 @@ class PrefillRate:
         return min(self._relaxed(s, now), self._speed_of_lane(_top_lane(r), now))
 
     def _speed_of_lane(self, lane: int, now: float) -> float:
-        """The slowest speed of the replicas measured while a request of `lane` or larger was in flight (the pool's
-        replicas run on like hardware: the placer paces them with one speed); the configured one when none was.
-        Every replica this tracker has seen counts, one that left the pool or fell sick with its last speed, which
-        relaxes back to the configured one (RELAX_S)."""
-        measured = [self._relaxed(p, now) for p in self.seen.values() if p.rate > 0 and p.lane >= lane]
+        """The slowest speed of the pacing replicas (`update`) measured while a request of `lane` or larger was in
+        flight (the pool's replicas run on like hardware: the placer paces them with one speed); the configured one
+        when none was. A replica that left the pool, fell sick or is slow-starting paces no lane: its speed is
+        health's business, as in the pool's own pace."""
+        measured = [self._relaxed(p, now) for p in self._pacers if p.rate > 0 and p.lane >= lane]
         return min(measured) if measured else self.prior
 
     def _observe(self, s: _Seen, r: Replica, learn: bool = True) -> None:
@@ -186,20 +190,20 @@ class PrefillRate:
 
 
 
-def _without_outliers(rates: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(learned rate, speed) of the healthy replicas, less those whose learned rate is under 1 / OUTLIER of the
+def _without_outliers(rates: list[tuple[float, T]]) -> list[tuple[float, T]]:
+    """(learned rate, replica) of the healthy replicas, less those whose learned rate is under 1 / OUTLIER of the
     median of the others': a replica that prefills several times slower than its peers is sick (health degrades it
     within seconds), not the pool's pace. Pacing the pool by it throttled every replica's gate to the sick one's
     speed until then (P8: one engine 20x slower)."""
     if len(rates) < 2:
         return rates
     kept = []
-    for i, (rate, speed) in enumerate(rates):
+    for i, (rate, item) in enumerate(rates):
         others = sorted(r for j, (r, _) in enumerate(rates) if j != i)
         mid = len(others) // 2
         median = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
         if rate * OUTLIER >= median:
-            kept.append((rate, speed))
+            kept.append((rate, item))
     return kept
 
 

@@ -98,6 +98,27 @@ def test_a_larger_lane_falls_back_to_a_peer_measured_with_it_in_flight():
     assert 12_000 < pr.update(rs, 1.4) < 12_500
 
 
+def test_a_sick_or_departed_peer_paces_no_lane():
+    """Only the replicas that pace the pool (healthy at full weight, not outliers) lend their speed to a peer
+    running a lane for the first time: a degraded replica's speed is health's business, a departed one's is gone."""
+    rs, pr = replicas(3), PrefillRate(10_000)
+    rs[0].lane_inflight, rs[1].lane_inflight, rs[2].lane_inflight = [0, 0, 1], [0, 1, 0], [0, 0, 1]
+    scrape(rs, 1.0, 0, waiting=2)
+    pr.update(rs, 1.0)
+    for at, totals in ((1.2, (3_000, 5_000, 4_000)), (1.4, (5_000, 10_000, 8_000))):
+        for r, total in zip(rs, totals):  # replica 0 at 10,000-15,000/s, 1 at 25,000, 2 at 20,000: learned
+            r.on_scrape(ScrapedState(scraped_at=at, waiting=2, prompt_tokens_total=total))
+        pr.update(rs, at)
+    slow, fast = pr._relaxed(pr.seen[rs[0].address], 1.4), pr._relaxed(pr.seen[rs[2].address], 1.4)
+    assert slow < fast
+    rs[1].lane_inflight = [0, 1, 1]  # replica 1's first long prompt: the slowest peer measured with one paces it
+    assert abs(pr.update(rs, 1.4) - slow) < 1
+    rs[0].state = DEGRADED
+    assert abs(pr.update(rs, 1.4) - fast) < 1
+    rs[0].state = rs[2].state
+    assert abs(pr.update(rs[1:], 1.4) - fast) < 1  # replica 0 left the pool
+
+
 def test_a_measurement_speaks_for_the_lanes_in_flight_when_its_interval_opened():
     """A finished request's prefill time is read after it left: the scrape that reports it may find nothing in
     flight, yet the speed was measured with that request's lane running."""
