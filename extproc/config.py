@@ -339,12 +339,16 @@ class Policy:
 
     def derive(self) -> None:
         """Fill the values one section derives from another: admission.max_wait_s 0 (derived from the SLO by the
-        scheduler) never exceeds sidecar.max_queue_wait_ms, the longest Envoy holds a request for the sidecar;
+        scheduler) never exceeds sidecar.max_queue_wait_ms, the longest Envoy holds a request for the sidecar, nor
+        does that wait and the late one after it (admission.late_wait_of_target);
         budgets.retry.duplicate_wait_s at most half of sidecar.message_timeout_ms."""
         cap_s = self.sidecar.max_queue_wait_ms / 1000.0
         adm = self.admission
         if adm.max_wait_s > cap_s or (adm.max_wait_s <= 0 and adm.ttft_target_s > cap_s):
             adm.max_wait_s = cap_s
+        late_cap_s = max(0.0, cap_s - (adm.max_wait_s if adm.max_wait_s > 0 else adm.ttft_target_s))
+        if adm.late_wait_of_target * adm.ttft_target_s > late_cap_s:  # the wait served late ends within it too
+            adm.late_wait_of_target = late_cap_s / adm.ttft_target_s
         retry = self.budgets.retry
         dup_cap_s = self.sidecar.message_timeout_ms / 2000.0  # Envoy waits no longer than the timeout for the answer
         if retry.duplicate_wait_s > dup_cap_s:

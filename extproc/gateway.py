@@ -216,18 +216,18 @@ class Gateway:
         st.waiter = result
         st.take(Hold.WAITER)
         st.move(QUEUED)
-        # Ask Envoy to wait (once) past the queue deadline; the decision follows from `wait`.
-        return R.hold(max(0.05, result.deadline - time.monotonic()) + 1.0)
+        # Ask Envoy to wait (once) past the queue's late limit; the decision follows from `wait`.
+        return R.hold(max(0.05, max(result.deadline, result.late_until) - time.monotonic()) + 1.0)
 
     async def wait(self, st: Stream) -> pb.ProcessingResponse:
-        """Hold a queued request until it is dispatched or its deadline passes. If the client leaves meanwhile,
-        the stream is cancelled here and `finish` drops it from the queue."""
+        """Hold a queued request until it is dispatched or its deadline (then its late limit: `serve_late`) passes.
+        If the client leaves meanwhile, the stream is cancelled here and `finish` drops it from the queue."""
         w = st.waiter
         assert w is not None and st.pool is not None
         sched = self.schedulers[st.pool.model]
-        timeout = w.deadline - time.monotonic()
-        if timeout > 0 and not w.future.done():
-            await asyncio.wait((w.future,), timeout=timeout)
+        # serve_late moves the deadline to the late limit, once
+        while not w.future.done() and (time.monotonic() < w.deadline or sched.serve_late(w, time.monotonic())):
+            await asyncio.wait((w.future,), timeout=max(0.0, w.deadline - time.monotonic()))
         if not w.future.done():
             shed = sched.expired(w, time.monotonic())
             st.drop(Hold.WAITER)

@@ -17,6 +17,10 @@ SHED = Counter("sluice_shed_total",
                "Requests answered without reaching a replica, by lane and reason (queue_full, deadline, "
                "wait_exceeds_deadline, kv_committed, deadline_unmeetable, never_fits, evicted).",
                ["pool", "lane", "reason"])
+LATE = Counter("sluice_queue_late_total",
+               "Queued requests whose wait budget (from the TTFT target) ended without a replica for them, kept "
+               "waiting behind every on-time request to be served late (admission.late_wait_of_target).",
+               ["pool", "lane"])
 SATURATION = Counter("sluice_replica_saturated_total",
                      "Placement attempts that found replicas full, by reason (kv_full, engine_queue, concurrency, "
                      "prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])
@@ -37,6 +41,7 @@ class PoolMetrics:
         self._admitted = [(ADMITTED.labels(pool, lane, "false"), ADMITTED.labels(pool, lane, "true"))
                           for lane in lanes]
         self._inflight = [LANE_INFLIGHT.labels(pool, lane) for lane in lanes]
+        self._late = [LATE.labels(pool, lane) for lane in lanes]
         self._shed: dict[tuple[int, str], object] = {}
         self._sat: dict[str, object] = {}
         self._rate = PREFILL_RATE.labels(pool)
@@ -50,6 +55,9 @@ class PoolMetrics:
         self._inflight[lane].inc()
         if queued:
             self._wait[lane].observe(waited_s)
+
+    def late(self, lane: int) -> None:
+        self._late[lane].inc()
 
     def released(self, lane: int) -> None:
         self._inflight[lane].dec()

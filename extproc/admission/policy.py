@@ -86,6 +86,14 @@ class AdmissionPolicy:
                                           # A request that cannot get its first token within the SLO is shed at
                                           # once with retry-after, which clients honour, instead of waiting 30 s
                                           # and missing it anyway (P1f)
+    late_wait_of_target: float = 2.0      # a queued request whose wait above ended without a replica for it, and
+                                          # whose own prefill takes at most REFILL_S (0.1 s), waits on, behind
+                                          # every request that can still meet the SLO, up to this x ttft_target_s
+                                          # more (never past the client's own deadline), and is served late by a
+                                          # replica with at most REFILL_S of prefill ahead, rather than refused (429
+                                          # queue_timeout after a futile wait: P1's slow refusals). Its SLO is lost
+                                          # either way, and the SDK's retry of a refusal comes later still, or is
+                                          # refused by the retry budget. 0 = refuse at the end of the wait above
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
     tenant_prefill_share: float = 1.0     # while several tenants are active, the one sending most requests may
                                           # prefill on at most this share of the replicas at once (at least 1);
@@ -126,6 +134,7 @@ class AdmissionPolicy:
         require(0 <= self.kv_margin < 1, f"{path}.kv_margin", "must be in [0, 1)")
         positive(self, path, "prefill_tokens_per_s", "ttft_target_s", "decode_s_per_token")
         require(self.prefill_knee_tokens >= 0, f"{path}.prefill_knee_tokens", "must be >= 0")
+        require(self.late_wait_of_target >= 0, f"{path}.late_wait_of_target", "must be >= 0")
         require(self.max_concurrency_per_replica >= 0, f"{path}.max_concurrency_per_replica", "must be >= 0")
         require(self.score_inflight_weight >= 0, f"{path}.score_inflight_weight", "must be >= 0")
         require(all(w > 0 for w in self.tenant_weights.values()), f"{path}.tenant_weights", "must be > 0")

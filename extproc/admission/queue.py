@@ -29,6 +29,7 @@ class Waiter:
     tenant: str
     deadline: float
     enqueued: float
+    late_until: float = 0.0  # once `deadline` passes undispatched, it may wait on, served late, until then
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
 
 

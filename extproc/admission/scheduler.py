@@ -11,7 +11,11 @@ does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
               budget ─► 429 at once, retry-after (it would only have expired in the queue)
            ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
            ─► queued ─► dispatched by `kick` (on every release, scrape, health change, and a short timer)
-                     └► deadline passes ─► 429 (503 if the pool is down), retry-after from the drain rate
+                     └► deadline passes ─► a prefill of at most REFILL_S waits on as LATE, behind every on-time
+                                           request, until its late limit (`serve_late`), placed only behind at
+                                           most REFILL_S of prefill
+                                        └► late limit passes ─► 429 (503 if the pool is down), retry-after
+                                                                from the drain rate
 
 All of it is synchronous bookkeeping on the event loop; the only await is the held request's own future.
 """
@@ -45,6 +49,8 @@ WAIT_SAFETY = 1.4
 POOL_DOWN_RETRY_S = 1.0
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.2, 60.0  # the retry-after a shed request is given, bounded
 BUSY_MIN_RELEASES, BUSY_MIN_S = 4, 0.5  # releases and seconds of a saturated lane before its pace is trusted
+# The queue's priority level below every request priority: waiters whose SLO wait ended, served late (`serve_late`).
+LATE = len(PRIORITIES)
 
 
 class Shed(Exception):
@@ -143,7 +149,7 @@ class Scheduler:
         # them in one fair order); each other lane has its own.
         self.meter = [n if self._shares_pool(lane) else i for i, lane in enumerate(policy.lanes)]
         pooled = VirtualClock()
-        self.queues = [FairQueue(len(PRIORITIES), policy.tenant_weights, pooled if self.meter[i] == n else None)
+        self.queues = [FairQueue(LATE + 1, policy.tenant_weights, pooled if self.meter[i] == n else None)
                        for i in range(n)]
         self.lane_requests = [0] * n
         self.lane_tokens = [0] * n
@@ -157,7 +163,7 @@ class Scheduler:
         self.decode = DecodeTime(policy.decode_s_per_token)
         self.seq_cap = SeqCap()
         self.calibration = TokenCalibration(policy.calibrate_prompt_tokens)
-        self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], policy.priorities)
+        self.m = am.PoolMetrics(pool.model, [lane.name for lane in policy.lanes], [*policy.priorities, "late"])
         self.m.estimate_factor(self.calibration.factor)
 
     @staticmethod
@@ -281,6 +287,7 @@ class Scheduler:
                                                        "displaced by higher-priority traffic"))
         waiter = Waiter(req=req, lane=lane, priority=prio, tenant=req.tenant, deadline=now + wait_budget,
                         enqueued=now, future=asyncio.get_running_loop().create_future())
+        waiter.late_until = waiter.deadline + self._late_budget(req, now, prefill_s, wait_budget)
         if not self._metered_waiting(lane):
             self.busy_since[self.meter[lane]] = now
         queue.push(waiter)
@@ -294,12 +301,13 @@ class Scheduler:
         return waiter
 
     def _wait_budget(self, req: LLMRequest, now: float, prefill: float | None = None) -> float:
-        """How long this request may wait here: the policy's max wait, by default the SLO (ttft_target_s) minus
-        its own predicted prefill (at most half the SLO) and REFILL_S, so a request that could not get its first token within
-        the SLO is told at once to retry later (P1f); and never so long that the client's own deadline passes
-        before it could get its first token (stream) or its whole answer (non-stream). Work dispatched just before
-        the client gives up is ghost load (P4). `prefill`: its predicted prefill where its prefix is cached best
-        (None: all of it computed)."""
+        """How long this request may wait here for a start within the SLO: the policy's max wait, by default the
+        SLO (ttft_target_s) minus its own predicted prefill (at most half the SLO) and REFILL_S, so a request that
+        could not get its first token within the SLO is told at once to retry later (P1f); and never so long that
+        the client's own deadline passes before it could get its first token (stream) or its whole answer
+        (non-stream). Work dispatched just before the client gives up is ghost load (P4). `prefill`: its predicted
+        prefill where its prefix is cached best (None: all of it computed). A queued request may then wait on,
+        served late (`_late_budget`, `serve_late`)."""
         pol = self.policy
         if prefill is None:
             prefill = self.placer.prefill_s(req.prompt_tokens)
@@ -315,6 +323,18 @@ class Scheduler:
         if left is not None:
             budget = min(budget, 0.9 * left - prefill - self.placer.answer_decode_s(req))
         return budget
+
+    def _late_budget(self, req: LLMRequest, now: float, prefill: float, wait_budget: float) -> float:
+        """How much longer than its wait budget a queued request may wait, served late (`serve_late`):
+
+            late = late_wait_of_target x ttft_target_s, at most 0.9 x the client's time left - prefill - answer
+                   decode - wait_budget (as `_wait_budget` bounds the wait: nothing dispatched after the client
+                   gave up), never below 0"""
+        late = self.policy.late_wait_of_target * self.policy.ttft_target_s
+        left = req.time_left_s(now)
+        if left is not None:
+            late = min(late, 0.9 * left - prefill - self.placer.answer_decode_s(req) - wait_budget)
+        return max(0.0, late)
 
     def _prefill_room_short_s(self, req: LLMRequest, now: float, wait_budget: float, ahead: int,
                               ahead_tokens: int) -> float:
@@ -469,6 +489,36 @@ class Scheduler:
         """The client left (or the waiter's own wait ended): drop it from the queue at once."""
         if self.queues[w.lane].remove(w):
             self.m.queued(w.lane, w.priority, -1)
+
+    def serve_late(self, w: Waiter, now: float) -> bool:
+        """Its wait budget ended in the queue: keep it waiting, served late, until `w.late_until`, at priority LATE,
+        behind every request that can still meet the SLO (`kick` serves priorities in order, and new arrivals do
+        not count it ahead of them: `work_ahead`), when its own prefill (where its prefix is cached best) takes
+        at most REFILL_S. It is placed where at most REFILL_S of prefill is ahead of it (`Placer.ttft_limit_s`
+        after a wait): late work takes a replica's idle moment and no more, so it cannot make the requests after it
+        late too. Its SLO is lost either way; its call need not be: a refusal after a futile wait was P1's only
+        slow one (the shed latency bar), and its SDK retry comes later still, or is refused by the retry budget.
+        Serving longer prompts late kept both simulated PX replicas prefilling cold prompts nobody was waiting for
+        in time, and most requests after them were late as well (docs/benchmarks.md). False (answer it now:
+        `expired`) when its late limit has passed, its prefill is longer, it was dispatched or left meanwhile, no
+        replica is usable, or KV keeps it off every replica past the limit."""
+        if w.future.done() or now >= w.late_until or not self.pool_up(now):
+            return False
+        if self.placer.lane_prefill_s(w.req) > REFILL_S:
+            return False
+        kv_s = self.placer.kv_free_s(w.req, now)
+        if kv_s is not None and kv_s > w.late_until - now:
+            return False
+        queue = self.queues[w.lane]
+        if w.priority == LATE or not queue.remove(w):
+            return False
+        self.m.queued(w.lane, w.priority, -1)
+        w.priority, w.deadline = LATE, w.late_until
+        queue.push(w)
+        self.m.queued(w.lane, LATE, +1)
+        self.m.late(w.lane)
+        self._arm_timer()
+        return True
 
     def expired(self, w: Waiter, now: float) -> Shed:
         """Its wait budget ended in the queue: 429 queue_timeout, retryable after the queue's drain time; or, when

@@ -7,7 +7,7 @@ import pytest
 
 from extproc.admission.policy import LanePolicy
 from extproc.admission.queue import Waiter
-from extproc.admission.scheduler import Placement, Scheduler, Shed
+from extproc.admission.scheduler import LATE, Placement, Scheduler, Shed
 from extproc.config import PoolConfig, parse_section, policy_from_dict
 from extproc.request import LLMRequest
 from extproc.admission.placement import Placer
@@ -141,6 +141,42 @@ async def test_expired_waiter_becomes_429_and_leaves_the_queue():
     shed = s.expired(w, 10.0)
     assert shed.status == 429 and shed.code == "queue_timeout"
     assert s.queued_total() == 0
+
+
+async def test_a_waiter_past_its_wait_budget_is_served_late_behind_on_time_requests():
+    """PX: a queued request whose SLO wait ended waits on, late, behind every request that can still meet the SLO,
+    and is served rather than refused (its SDK retry would come later still, or be refused by the retry budget)."""
+    s = make(n_replicas=1, max_concurrency_per_replica=1)  # max_wait_s 5, ttft_target_s 2: 4 s more, late
+    first = s.submit(req(), 0.0)
+    late = s.submit(req(tenant="a"), 0.0)
+    assert isinstance(first, Placement) and isinstance(late, Waiter)
+    assert late.deadline == 5.0 and late.late_until == 9.0
+    assert s.serve_late(late, 5.0)
+    assert late.priority == LATE and late.deadline == 9.0 and not late.future.done()
+    assert not s.serve_late(late, 5.5)  # once
+    assert s._work_ahead(0, "b", 0) == (0, 0)  # a new request does not wait behind the late one
+    on_time = s.submit(req(tenant="b"), 5.0)
+    assert isinstance(on_time, Waiter)
+    s.release(first, req())
+    assert on_time.future.done() and not late.future.done()
+    s.release(on_time.future.result(), req(tenant="b"))
+    assert late.future.done() and isinstance(late.future.result(), Placement)
+    assert s.queued_total() == 0
+
+
+async def test_no_late_wait_past_its_limit_the_clients_deadline_or_when_off():
+    s = make(n_replicas=1, max_concurrency_per_replica=1)
+    s.submit(req(), 0.0)
+    w = s.submit(req(timeout=6.0), 0.0)  # 0.9 x 6 s - its 0.01 s prefill: 5.39 s in all, 5 of them on time
+    assert isinstance(w, Waiter) and abs(w.late_until - 5.39) < 1e-9
+    assert not s.serve_late(w, 5.4)
+    assert s.expired(w, 5.4).code == "queue_timeout" and s.queued_total() == 0
+    long = s.submit(req(prompt=2_000), 0.0)  # 0.2 s of prefill at 10,000 tokens/s: more than REFILL_S
+    assert isinstance(long, Waiter) and long.late_until > long.deadline and not s.serve_late(long, long.deadline)
+    off = make(n_replicas=1, max_concurrency_per_replica=1, late_wait_of_target=0)
+    off.submit(req(), 0.0)
+    w = off.submit(req(), 0.0)
+    assert isinstance(w, Waiter) and w.late_until == w.deadline and not off.serve_late(w, 5.0)
 
 
 async def test_pool_down_sheds_503_at_once_with_a_short_retry_after():
