@@ -495,9 +495,11 @@ class Scheduler:
         behind every request that can still meet the SLO (`kick` serves priorities in order, and new arrivals do
         not count it ahead of them: `work_ahead`), when its own prefill (where its prefix is cached best) takes
         at most REFILL_S. It is placed where at most REFILL_S of prefill is ahead of it (`Placer.ttft_limit_s`
-        after a wait): late work takes a replica's idle moment and no more, so it cannot make the requests after it
-        late too. Its SLO is lost either way; its call need not be: a refusal after a futile wait was P1's only
-        slow one (the shed latency bar), and its SDK retry comes later still, or is refused by the retry budget.
+        after a wait): late work takes a replica's idle moment, and a request after it waits behind at most its
+        short prefill and shares a decode step with it (P1: about 5 % fewer requests within the SLO in three of four
+        seeds, docs/benchmarks.md). Its SLO is lost either way; its call need not be: a refusal after a futile wait was
+        P1's only slow one (the shed latency bar), and its SDK retry comes later still, or is refused by the retry
+        budget.
         Serving longer prompts late kept both simulated PX replicas prefilling cold prompts nobody was waiting for
         in time, and most requests after them were late as well (docs/benchmarks.md). False (answer it now:
         `expired`) when its late limit has passed, its prefill is longer, it was dispatched or left meanwhile, no

@@ -144,8 +144,9 @@ async def test_expired_waiter_becomes_429_and_leaves_the_queue():
 
 
 async def test_a_waiter_past_its_wait_budget_is_served_late_behind_on_time_requests():
-    """PX: a queued request whose SLO wait ended waits on, late, behind every request that can still meet the SLO,
-    and is served rather than refused (its SDK retry would come later still, or be refused by the retry budget)."""
+    """P1: a queued request whose SLO wait ended waits on, late, behind every request that can still meet the SLO,
+    and is served rather than refused after a futile wait (its SDK retry would come later still, or be refused by
+    the retry budget)."""
     s = make(n_replicas=1, max_concurrency_per_replica=1)  # max_wait_s 5, ttft_target_s 2: 4 s more, late
     first = s.submit(req(), 0.0)
     late = s.submit(req(tenant="a"), 0.0)

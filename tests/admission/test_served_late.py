@@ -1,4 +1,5 @@
-"""A queued request whose wait budget ends is served late through the gateway's hold, not refused (PX)."""
+"""A queued request whose wait budget ends is served late through the gateway's hold, not refused after a futile
+wait (P1's slow refusals)."""
 
 import asyncio
 
