@@ -1,0 +1,88 @@
+"""What became of the user calls sent in each window of a run: within the SLO, completed late, or failed.
+
+A run's headline numbers are averages over its whole length, and the length decides what they say: a system whose
+queues grow without bound looks fine for as long as they are short, and a run that starts with every cache cold
+measures mostly the warm-up. This reads the records of `sluice bench run ... --records DIR` (one JSON line per
+client attempt, `bench.runner.write_records`; gzipped or not) and splits each run's user calls by when they were first sent:
+
+    python -m bench.windows DIR --slo 0.5 [--window 10] [--scenario PX]
+
+A call (every SDK and business retry of one user request, `bench.scenarios.base.Call`) is within the SLO when its
+final attempt completed with its first token at most `--slo` seconds after the first send, late when it completed
+later, and failed otherwise (refused, errored, timed out or unfinished at the run's end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+from pathlib import Path
+
+from bench.openloop import Record
+from bench.scenarios.base import Call
+
+OUTCOMES = ("within SLO", "late", "failed")
+
+
+def read_calls(path: Path) -> list[Call]:
+    """The user calls of one records file, in send order (times in wall seconds since the run's t0)."""
+    names = {f.name for f in dataclasses.fields(Record)}
+    by_call: dict[tuple[int, int], list[Record]] = {}
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as lines:
+        for line in lines:
+            fields = json.loads(line)
+            rec = Record(**{k: v for k, v in fields.items() if k in names})
+            by_call.setdefault((rec.user, rec.call), []).append(rec)
+    end = max((r.end or r.start for rs in by_call.values() for r in rs), default=0.0)
+    calls = [Call(sorted(rs, key=lambda r: r.attempt), end) for rs in by_call.values()]
+    return sorted(calls, key=lambda c: c.first_send)
+
+
+def outcome(call: Call, slo_s: float) -> str:
+    final = call.final
+    if not (final.ok and final.done):
+        return "failed"
+    ttft = call.ttft
+    return "within SLO" if ttft is not None and ttft <= slo_s else "late"
+
+
+def by_window(calls: list[Call], slo_s: float, window_s: float) -> dict[int, dict[str, int]]:
+    """Window start (s) -> outcome -> calls first sent in that window."""
+    out: dict[int, dict[str, int]] = {}
+    for call in calls:
+        start = int(call.first_send // window_s * window_s)
+        counts = out.setdefault(start, dict.fromkeys(OUTCOMES, 0))
+        counts[outcome(call, slo_s)] += 1
+    return out
+
+
+def table(files: list[Path], slo_s: float, window_s: float) -> str:
+    """A markdown table: one row per records file, one column per window, cells `within / late / failed`."""
+    rows = {f.name.split(".")[0]: by_window(read_calls(f), slo_s, window_s) for f in files}
+    starts = sorted({w for counts in rows.values() for w in counts})
+    head = "| run | " + " | ".join(f"{w:g}-{w + window_s:g} s" for w in starts) + " |"
+    lines = [f"Calls by first send: within the SLO ({slo_s:g} s) / completed late / failed", "", head,
+             "|---|" + "---|" * len(starts)]
+    for name, counts in rows.items():
+        cells = [" / ".join(str(counts.get(w, {}).get(o, 0)) for o in OUTCOMES) for w in starts]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", type=Path, help="the --records directory of a bench run")
+    ap.add_argument("--slo", type=float, required=True, help="the scenario's TTFT SLO, seconds")
+    ap.add_argument("--window", type=float, default=10.0, help="window length, seconds (default 10)")
+    ap.add_argument("--scenario", default="", help="only this scenario's records (file name prefix)")
+    args = ap.parse_args(argv)
+    files = sorted(p for p in args.records.glob(f"{args.scenario}*.jsonl*") if p.suffix in (".jsonl", ".gz"))
+    if not files:
+        raise SystemExit(f"no records (*.jsonl, *.jsonl.gz) under {args.records}")
+    print(table(files, args.slo, args.window))
+
+
+if __name__ == "__main__":
+    main()
