@@ -290,9 +290,10 @@ class Gateway:
     def _reject(self, st: Stream, resp: pb.ProcessingResponse) -> pb.ProcessingResponse:
         st.move(REJECTED)
         ir = resp.immediate_response
-        if st.req is not None and self.budgets.credits_refusals and (after := R.retry_asked(resp)) is not None:
+        after = R.retry_asked(resp) if st.req is not None else None  # it tells the client to retry (None: no)
+        if st.req is not None and after is not None and self.budgets.credits_refusals:
             self.budgets.refused(st.req, after)  # no replica saw it: its retry is not charged (budgets/credits.py)
-        elif st.req is not None and ir.status.code == 429 and self.budgets.retry_refused(st.req):
+        elif st.req is not None and ir.status.code == 429 and not self.budgets.promise_retry(st.req, after):
             R.forbid_retry(resp)  # its retry would be refused as a retry storm (a 5xx: business layers retry anyway)
         m.REJECTIONS.labels(str(ir.status.code), ir.details.removeprefix("sluice_")).inc()
         return resp

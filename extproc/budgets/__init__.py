@@ -150,14 +150,30 @@ class Budgets:
         `retry_after_s`: that retry will not be charged to the retry share (budgets/credits.py)."""
         self.retry.refused(ident(req.tenant), time.monotonic() if now is None else now, retry_after_s)
 
-    def retry_refused(self, req: LLMRequest, now: float | None = None) -> bool:
-        """Would a retry of `req` be refused by the retry share now (no credits, `retry.py`)? Asked when the
-        gateway refuses `req` with a 429 and `x-should-retry: true`: a client should not be told to retry what its
-        retry budget will refuse. False when unknown (Redis holds the shared counts: a refusal does not wait on it)."""
+    def retry_refused(self, req: LLMRequest, now: float | None = None, mono: float | None = None) -> bool:
+        """Would a retry of `req` be refused by the retry share now (no credits, `retry.py`), after the retries this
+        sidecar has already asked its tenant's clients for? A client should not be told to retry what its retry
+        budget will refuse. False when unknown (Redis holds the shared counts: a refusal does not wait on it).
+        `now`: wall clock, `mono`: monotonic (the promises' clock)."""
         if not self.retry.enabled or self.retry.credits is not None:
             return False
-        check = self.retry.check(req, ident(req.tenant))
-        return self.store.retry_refused(check, time.time() if now is None else now) is True
+        tenant = ident(req.tenant)
+        pending = self.retry.pending(tenant, time.monotonic() if mono is None else mono)
+        check = self.retry.check(req, tenant)
+        return self.store.retry_refused(check, time.time() if now is None else now, pending) is True
+
+    def promise_retry(self, req: LLMRequest, retry_after_s: float | None, now: float | None = None,
+                      mono: float | None = None) -> bool:
+        """The gateway refuses `req` with a 429 that tells its client to retry after `retry_after_s` (None: it says
+        not to): may it, without the retry budget refusing that retry (`retry_refused`)? If so, the retry is
+        promised (counted in later reads until it arrives, `retry.py`) and True; False: say not to retry."""
+        if retry_after_s is None:
+            return True
+        mono = time.monotonic() if mono is None else mono
+        if self.retry_refused(req, now, mono):
+            return False
+        self.retry.promise(ident(req.tenant), mono, retry_after_s)
+        return True
 
     # ------------------------------------------------------------------------------------------------ admit
     async def admit(self, req: LLMRequest, now: float | None = None) -> Charge:

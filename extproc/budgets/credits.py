@@ -21,6 +21,10 @@ missed its SLO and takes capacity from fresh requests (measured side by side, sl
 against 12.1 req/s and its TTFT p95 1.01 against 0.54 s; P5's 4.85 against 5.0, requests completed 6.62 against 5.54
 req/s, amplification 1.07 against 0.94; real PX 3.0 against 3.75). So it is off by default.
 
+With credits off (the default), the same ledger (`RetryCredits`) holds the retries the gateway promised instead:
+each 429 that says `x-should-retry: true` counts against the share in later reads until its retry arrives, so a
+burst's refusals are not all told to retry what the share can take only a few of (retry.py).
+
 The credits live in this process: a retry that reaches another sidecar is charged there as before (never looser than
 one free retry per refusal). Memory is bounded: at most MAX_PER_TENANT credits per tenant (the earliest-expiring is
 dropped), MAX_TENANTS tenants (the least recently refused is forgotten).
@@ -73,5 +77,10 @@ class RetryCredits:
         return True
 
     def held(self, tenant: str, now: float) -> int:
-        """Unexpired credits of `tenant` (for tests and status)."""
-        return sum(1 for t in self._tenants.get(tenant, ()) if t >= now)
+        """Unexpired credits of `tenant` (the expired ones are dropped on the way)."""
+        heap = self._tenants.get(tenant)
+        if not heap:
+            return 0
+        while heap and heap[0] < now:
+            heapq.heappop(heap)
+        return len(heap)

@@ -147,13 +147,15 @@ class MemoryStore:
         idx = window_index(now, r.window_s)[0]
         return [self._window(n + s, idx, r.window_s) for n in (r.pool, r.tenant) for s in (":a", ":r")]
 
-    def _retry_over(self, r: RetryCheck, wins: list[_Window], now: float) -> tuple[str, float, float] | None:
-        """Would one more retry exceed the share (retry.py's formula)? (scope, retries, allowed) if so."""
+    def _retry_over(self, r: RetryCheck, wins: list[_Window], now: float,
+                    pending: float = 0.0) -> tuple[str, float, float] | None:
+        """Would one more retry exceed the share (retry.py's formula), after `pending` retries already asked for?
+        (scope, retries, allowed) if so."""
         floor = scaled(r.floor, self.share)
         keep = 1.0 - window_index(now, r.window_s)[1]
         for j, scope in ((2, "tenant"), (0, "pool")):
             adm = wins[j].cur + wins[j].prev * keep
-            ret = wins[j + 1].cur + wins[j + 1].prev * keep
+            ret = wins[j + 1].cur + wins[j + 1].prev * keep + pending
             if j == 2 and ret + 1 <= floor:
                 return None  # within the tenant's own floor: no other tenant's retries can refuse it
             allowed = max(floor, r.share * (adm + 1))
@@ -161,9 +163,10 @@ class MemoryStore:
                 return scope, ret, allowed
         return None
 
-    def retry_refused(self, r: RetryCheck, now: float) -> bool:
-        """Would a retry in `r`'s scopes be refused now? A read: nothing is charged."""
-        return self._retry_over(r, self._retry_windows(r, now), now) is not None
+    def retry_refused(self, r: RetryCheck, now: float, pending: float = 0.0) -> bool:
+        """Would a retry in `r`'s scopes be refused now, after `pending` retries this sidecar has asked for? A read:
+        nothing is charged."""
+        return self._retry_over(r, self._retry_windows(r, now), now, pending) is not None
 
     # ------------------------------------------------------------------------------------------------ operations
     async def admit(self, op: AdmitOp) -> AdmitResult:

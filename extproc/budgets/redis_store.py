@@ -355,10 +355,11 @@ class RedisStore:
             nums += " 0 0"
         return keys, [nums, c.token, member]
 
-    def retry_refused(self, r: RetryCheck, now: float) -> bool | None:
-        """Would a retry in `r`'s scopes be refused now? While degraded, the local store answers; otherwise
-        unknown (None): the shared counts are a round trip away, and a refusal must not wait on one."""
-        return self.local.retry_refused(r, now) if self.degraded else None
+    def retry_refused(self, r: RetryCheck, now: float, pending: float = 0.0) -> bool | None:
+        """Would a retry in `r`'s scopes be refused now, after `pending` asked for? While degraded, the local store
+        answers; otherwise unknown (None): the shared counts are a round trip away, and a refusal must not wait on
+        one."""
+        return self.local.retry_refused(r, now, pending) if self.degraded else None
 
     # ------------------------------------------------------------------------------------------------ operations
     async def admit(self, op: AdmitOp) -> AdmitResult:

@@ -25,6 +25,17 @@ a read of the same formula): a client told to retry and then refused as a retry 
 PX: 15 of 21 shed requests). A 503 keeps `true`: a business layer retries a 5xx whatever the header says, and
 there it is the SDK retry's 429 that stops it (P6's outage: more attempts when the 503 said false).
 
+The read counts the retries this sidecar has already asked for and not yet seen: each 429 that says
+`x-should-retry: true` is a promise, kept (credits.py's ledger, without the credit) until its retry arrives (a
+request of that tenant with `retry_count > 0` takes the earliest one) or until retry-after + PROMISE_GRACE_S, so
+
+    told to retry  iff  fits(tenant, retries + promised(tenant)) and (... + 1 <= floor or fits(pool, the same))
+
+Without it every refusal of a burst read the same room and was told to retry: real PX at its full length, 51 and
+53 of sluice's 120 and 109 failed calls were told to retry, waited out retry-after, and their retry was refused
+(`retry_budget_exceeded`). The promises are this sidecar's own (another sidecar's are not seen) and a tenant's
+promises count against the pool's share only through that tenant's read.
+
 The checks and the counters live in the store's combined admit (one round trip with Redis).
 """
 
@@ -39,6 +50,7 @@ from extproc.budgets.ops import DUPLICATE, AdmitOp, AdmitResult, RetryCheck
 from extproc.request import LLMRequest
 
 CODE_BUDGET = "retry_budget_exceeded"
+PROMISE_GRACE_S = 2.0  # a promised retry is expected within its retry-after and this (the SDK waits retry-after)
 CODE_DUPLICATE = "duplicate_in_flight"
 
 _KIND_NAMES = {"i": "idempotency key", "r": "request id", "f": "request body"}
@@ -50,6 +62,8 @@ class RetryBudget:
         self.enabled = policy.enabled
         # retries of requests this sidecar refused with x-should-retry: true are free (credits.py)
         self.credits = RetryCredits(policy.window_s) if policy.enabled and policy.credit_refused else None
+        # retries this sidecar told its clients to make and has not seen yet (without credits: see the module doc)
+        self.promised = RetryCredits(PROMISE_GRACE_S) if policy.enabled and not policy.credit_refused else None
         self._credited = metrics.BoundedLabels(metrics.RETRIES_CREDITED, max_pools)
         self._seen = metrics.BoundedLabels(metrics.RETRIES_SEEN, max_pools)
         self._allowed = metrics.BoundedLabels(metrics.RETRIES_ALLOWED, max_pools)
@@ -73,12 +87,23 @@ class RetryBudget:
         if self.credits is not None:
             self.credits.grant(tenant, now, retry_after_s)
 
+    def promise(self, tenant: str, now: float, retry_after_s: float) -> None:
+        """This sidecar told a refused request of `tenant` to retry after `retry_after_s` (`now`: monotonic)."""
+        if self.promised is not None:
+            self.promised.grant(tenant, now, retry_after_s)
+
+    def pending(self, tenant: str, now: float) -> int:
+        """Retries of `tenant` this sidecar asked for and has not seen yet."""
+        return self.promised.held(tenant, now) if self.promised is not None else 0
+
     def prepare(self, op: AdmitOp, req: LLMRequest, tenant: str, now: float) -> None:
         """Add this request's retry checks to the combined admit. A retry that takes a credit (`now`: monotonic)
         keeps its duplicate check and is neither checked against nor counted in the retry share."""
         op.retry_hint = req.retry_count > 0
         if not self.enabled:
             return
+        if op.retry_hint and self.promised is not None:
+            self.promised.take(tenant, now)  # the retry a refusal asked for has come
         p = self.policy
         op.markers = self.markers(req, tenant)
         op.inflight_ttl_s = p.inflight_ttl_s

@@ -9,6 +9,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from extproc.budgets import BudgetExceeded, Budgets, OriginalInFlight
+from extproc.budgets.keys import ident
+from extproc.budgets.retry import PROMISE_GRACE_S
 from extproc.config import parse_section
 
 from .conftest import req
@@ -296,6 +298,44 @@ async def test_whether_a_retry_would_be_refused_is_read_without_charging(make_bu
         await b.admit(req(model="peek", retry_count=1), now=T0)
     assert not b.retry_refused(req(model="peek", tenant="other"), now=T0)  # another tenant is within its floor
     assert not b.retry_refused(first, now=T0 + 20)  # the window has passed
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_told_to_retry_counts_in_the_next_refusals_reads(make_budgets) -> None:
+    """Every refusal of a burst read the same room, so all were told to retry and most of their retries were then
+    refused (real PX at its full length: 51 of 120 failed calls). A 429 that says retry promises that retry: it
+    counts in later reads until it arrives (and takes its promise), so only as many are told to retry as the
+    tenant's budget will admit (its floor of 3 here); the others hear at once not to."""
+    b = await make_budgets()
+    first = req(model="promise")
+    await b.admit(first, now=T0)
+    mono = time.monotonic()
+    told = [b.promise_retry(first, 0.5, now=T0, mono=mono) for _ in range(5)]
+    if make_budgets.kind == "redis":
+        assert told == [True] * 5  # the shared counts are a round trip away: unknown, so told to retry
+        return
+    assert told == [True, True, True, False, False]
+    assert b.promise_retry(first, None, now=T0, mono=mono)  # a 429 that says not to retry promises nothing
+    tenant = ident(first.tenant)
+    assert b.retry.pending(tenant, mono) == 3
+    for _ in range(3):  # the promised retries come: each takes its promise and is admitted
+        await b.admit(req(model="promise", retry_count=1), now=T0)
+    assert b.retry.pending(tenant, time.monotonic()) == 0
+    assert not b.promise_retry(first, 0.5, now=T0)  # the floor is spent by the retries themselves now
+    with pytest.raises(BudgetExceeded):
+        await b.admit(req(model="promise", retry_count=1), now=T0)
+
+
+@pytest.mark.asyncio
+async def test_a_promise_not_kept_expires_after_its_retry_after_and_a_grace() -> None:
+    """A client told to retry may never come back (it gave up): its promise holds the room only until its
+    retry-after + PROMISE_GRACE_S. (The memory store's read; with Redis it is unknown, the test above.)"""
+    b = Budgets(parse_section("budgets", {}))
+    first = req(model="unkept")
+    await b.admit(first, now=T0)
+    assert all(b.promise_retry(first, 1.0, now=T0, mono=50.0) for _ in range(3))
+    assert not b.promise_retry(first, 1.0, now=T0, mono=50.0 + 1.0 + PROMISE_GRACE_S - 0.01)
+    assert b.promise_retry(first, 1.0, now=T0, mono=50.0 + 1.0 + PROMISE_GRACE_S + 0.01)
 
 
 @pytest.mark.asyncio

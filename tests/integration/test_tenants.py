@@ -166,9 +166,10 @@ def capped_default_stack(tmp_path_factory: pytest.TempPathFactory):
 
 def test_a_refused_client_is_not_told_to_retry_what_its_retry_budget_would_refuse(capped_default_stack: Stack):
     """At the shipped defaults (no retry credits): a refusal at the open-request cap tells the client to retry
-    while its tenant's retries fit the retry budget, and not to (x-should-retry: false, and why) once they would
-    be refused as retry_budget_exceeded. The openai SDK, with its 2 retries, then raises at once: the sidecar
-    sees one attempt per refused call."""
+    while its tenant's retries fit the retry budget, counting the retries already asked for (the first refusals of
+    a burst promise theirs), and not to (x-should-retry: false, and why) once they would be refused as
+    retry_budget_exceeded. The openai SDK, with its 2 retries, then raises at once: the sidecar sees one attempt
+    per refused call."""
     import httpx
 
     from .conftest import metric_sum
@@ -181,7 +182,9 @@ def test_a_refused_client_is_not_told_to_retry_what_its_retry_budget_would_refus
             return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(8)))
 
     refused = [r for r in asyncio.run(burst_answers()) if r.status_code == 429]
-    assert refused and all(r.headers["x-should-retry"] == "true" for r in refused)
+    told = [r for r in refused if r.headers["x-should-retry"] == "true"]
+    assert len(refused) > 3 and len(told) == 3  # the tenant's floor: 3 retries per 10 s window
+    assert all("retry_budget_exceeded" in r.json()["error"]["message"] for r in refused if r not in told)
     # The tenant's retries: its floor of 3 per 10 s window fits, the fourth is refused as a retry storm.
     retry = {"x-stainless-retry-count": "1"}
     with httpx.Client(base_url=stack.base_url, timeout=30) as http:
