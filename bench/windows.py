@@ -3,7 +3,8 @@
 A run's headline numbers are averages over its whole length, and the length decides what they say: a system whose
 queues grow without bound looks fine for as long as they are short, and a run that starts with every cache cold
 measures mostly the warm-up. This reads the records of `sluice bench run ... --records DIR` (one JSON line per
-client attempt, `bench.runner.write_records`; gzipped or not) and splits each run's user calls by when they were first sent:
+client attempt, `bench.runner.write_records`; gzipped or not) and splits each run's user calls by when they were
+first sent:
 
     python -m bench.windows DIR --slo 0.5 [--window 10] [--scenario PX]
 
