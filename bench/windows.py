@@ -22,28 +22,23 @@ import json
 from pathlib import Path
 
 from bench.openloop import Record
-from bench.scenarios.base import Call
+from bench.scenarios.base import Call, RunData
 
 OUTCOMES = ("within SLO", "late", "failed")
 
 
 def read_calls(path: Path) -> list[Call]:
-    """The user calls of one records file, in send order (times in wall seconds since the run's t0)."""
+    """The user calls of one records file, in send order (times in wall seconds since the run's t0), grouped as the
+    scenarios group them (`RunData.calls`)."""
     names = {f.name for f in dataclasses.fields(Record)}
-    by_call: dict[tuple[int, int], list[Record]] = {}
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as lines:
-        for line in lines:
-            fields = json.loads(line)
-            rec = Record(**{k: v for k, v in fields.items() if k in names})
-            by_call.setdefault((rec.user, rec.call), []).append(rec)
-    end = max((r.end or r.start for rs in by_call.values() for r in rs), default=0.0)
-    calls = [Call(sorted(rs, key=lambda r: r.attempt), end) for rs in by_call.values()]
-    return sorted(calls, key=lambda c: c.first_send)
+        records = [Record(**{k: v for k, v in json.loads(line).items() if k in names}) for line in lines]
+    end = max((r.end or r.start for r in records), default=0.0)
+    return RunData(path.name, "", 1.0, [], records=records, duration=end).calls()
 
 
 def outcome(call: Call, slo_s: float) -> str:
-    final = call.final
-    if not (final.ok and final.done):
+    if not call.ok:
         return "failed"
     ttft = call.ttft
     return "within SLO" if ttft is not None and ttft <= slo_s else "late"

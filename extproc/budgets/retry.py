@@ -50,8 +50,8 @@ from extproc.budgets.ops import DUPLICATE, AdmitOp, AdmitResult, RetryCheck
 from extproc.request import LLMRequest
 
 CODE_BUDGET = "retry_budget_exceeded"
-PROMISE_GRACE_S = 2.0  # a promised retry is expected within its retry-after and this (the SDK waits retry-after)
 CODE_DUPLICATE = "duplicate_in_flight"
+PROMISE_GRACE_S = 2.0  # a promised retry is expected within its retry-after and this (the SDK waits retry-after)
 
 _KIND_NAMES = {"i": "idempotency key", "r": "request id", "f": "request body"}
 
