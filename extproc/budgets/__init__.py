@@ -153,8 +153,8 @@ class Budgets:
     def retry_refused(self, req: LLMRequest, now: float | None = None, mono: float | None = None) -> bool:
         """Would a retry of `req` be refused by the retry share now (no credits, `retry.py`), after the retries this
         sidecar has already asked its tenant's clients for? A client should not be told to retry what its retry
-        budget will refuse. False when unknown (Redis holds the shared counts: a refusal does not wait on it).
-        `now`: wall clock, `mono`: monotonic (the promises' clock)."""
+        budget will refuse. With Redis, the counts its last reply reported (a refusal does not wait on a round
+        trip). `now`: wall clock, `mono`: monotonic (the promises' clock)."""
         if not self.retry.enabled or self.retry.credits is not None:
             return False
         tenant = ident(req.tenant)

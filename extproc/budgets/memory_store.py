@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from extproc.budgets.ops import (
@@ -162,6 +163,15 @@ class MemoryStore:
             if ret + 1 > allowed:
                 return scope, ret, allowed
         return None
+
+    def mirror_retry_windows(self, r: RetryCheck, now: float, counts: Sequence[Any]) -> None:
+        """Set `r`'s four retry windows to counts another store reported at `now` (pool admitted cur/prev, pool
+        retries cur/prev, then the tenant's: lua/admit.lua's KEYS order), so `retry_refused` reads them."""
+        self._sweep(now)
+        wins = self._retry_windows(r, now)
+        for j, w in enumerate(wins):
+            w.cur = float(counts[2 * j])
+            w.prev = float(counts[2 * j + 1])
 
     def retry_refused(self, r: RetryCheck, now: float, pending: float = 0.0) -> bool:
         """Would a retry in `r`'s scopes be refused now, after `pending` retries this sidecar has asked for? A read:

@@ -11,6 +11,10 @@ sidecars share the Redis. Keys:
 Time is the caller's wall clock (`now`, seconds), so sidecars must keep NTP-synced clocks (windows are seconds
 long; skew of a few ms is irrelevant).
 
+Retry windows seen: admit.lua returns the retry windows' counts with every admit and every retry refusal, and the
+store keeps the latest per pool and tenant (`seen`, a MemoryStore that is never charged). `retry_refused` reads
+them, so the gateway can tell a refused client whether its retry would pass without a round trip of its own.
+
 Fallback: any Redis error (refused, timeout, loading, OOM...) flips the store to `degraded`: it logs once, sets
 `sluice_budget_store_fallback_active`, and serves every request from an embedded MemoryStore that enforces
 `limit * fallback_share` (this sidecar's share of each global limit). While degraded no request touches Redis (no
@@ -43,6 +47,7 @@ from extproc.budgets.ops import (
     BACKEND_REDIS,
     DUPLICATE,
     OK,
+    RETRY_BUDGET,
     TENANT_LIMIT,
     AdmitOp,
     AdmitResult,
@@ -109,6 +114,8 @@ class RedisStore:
         self.prefix = self.policy.key_prefix
         self.fallback_share = fallback_share
         self.local = MemoryStore(share=fallback_share, backend=BACKEND_LOCAL)
+        # the retry windows as Redis last reported them to this sidecar: read by retry_refused, never charged
+        self.seen = MemoryStore(share=1.0, backend=BACKEND_REDIS)
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
         self._noscript = NoScriptError
         if client is None:
@@ -355,11 +362,12 @@ class RedisStore:
             nums += " 0 0"
         return keys, [nums, c.token, member]
 
-    def retry_refused(self, r: RetryCheck, now: float, pending: float = 0.0) -> bool | None:
+    def retry_refused(self, r: RetryCheck, now: float, pending: float = 0.0) -> bool:
         """Would a retry in `r`'s scopes be refused now, after `pending` asked for? While degraded, the local store
-        answers; otherwise unknown (None): the shared counts are a round trip away, and a refusal must not wait on
-        one."""
-        return self.local.retry_refused(r, now, pending) if self.degraded else None
+        answers. Otherwise the shared counts are a round trip away and a refusal must not wait on one: the answer
+        reads the counts the last admit of the same pool and tenant returned (`seen`), which miss only what other
+        sidecars charged since (windows never reported read as empty: not refused)."""
+        return (self.local if self.degraded else self.seen).retry_refused(r, now, pending)
 
     # ------------------------------------------------------------------------------------------------ operations
     async def admit(self, op: AdmitOp) -> AdmitResult:
@@ -376,6 +384,8 @@ class RedisStore:
         code = int(res[0])
         is_retry = int(res[1]) == 1
         if code == OK:
+            if op.retry is not None:
+                self.seen.mirror_retry_windows(op.retry, op.now, res[2:10])
             return AdmitResult(OK, is_retry, BACKEND_REDIS)
         if code == DUPLICATE:
             return AdmitResult(DUPLICATE, True, BACKEND_REDIS, detail=_str(res[2])[len(self.prefix):])
@@ -383,6 +393,8 @@ class RedisStore:
             _, frac = window_index(op.now, op.quota.window_s)  # type: ignore[union-attr]
             return AdmitResult(TENANT_LIMIT, is_retry, BACKEND_REDIS, "", _num(res[3]), _num(res[4]),
                                _num(res[5]), _num(res[6]), frac)
+        if code == RETRY_BUDGET and op.retry is not None:
+            self.seen.mirror_retry_windows(op.retry, op.now, res[5:13])
         return AdmitResult(code, is_retry, BACKEND_REDIS, _str(res[2]), _num(res[3]), _num(res[4]))
 
     async def settle(self, op: SettleOp, backend: str = BACKEND_REDIS) -> None:

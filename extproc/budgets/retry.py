@@ -34,7 +34,9 @@ request of that tenant with `retry_count > 0` takes the earliest one) or until r
 Without it every refusal of a burst read the same room and was told to retry: real PX at its full length, 51 and
 53 of sluice's 120 and 109 failed calls were told to retry, waited out retry-after, and their retry was refused
 (`retry_budget_exceeded`). The promises are this sidecar's own (another sidecar's are not seen) and a tenant's
-promises count against the pool's share only through that tenant's read.
+promises count against the pool's share only through that tenant's read. With a Redis store the read takes the
+shared counts that Redis returned with this sidecar's last admit of the same pool and tenant (redis_store.py):
+another sidecar's charges since then are missed, and a refusal never waits on a round trip.
 
 The checks and the counters live in the store's combined admit (one round trip with Redis).
 """

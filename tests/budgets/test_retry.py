@@ -281,17 +281,14 @@ async def test_a_credited_retry_still_meets_the_duplicate_check(make_budgets) ->
 @pytest.mark.asyncio
 async def test_whether_a_retry_would_be_refused_is_read_without_charging(make_budgets) -> None:
     """`Budgets.retry_refused`: the gateway asks it before telling a refused client to retry. It reads the share's
-    formula (the tenant's floor of 3, then 10 % of admitted) and charges nothing; with Redis holding the shared
-    counts it does not know (False: the refusal keeps x-should-retry: true rather than wait on a round trip)."""
+    formula (the tenant's floor of 3, then 10 % of admitted) and charges nothing; with Redis, on the shared
+    counts its last admit returned."""
     b = await make_budgets()
     first = req(model="peek")
     await b.admit(first, now=T0)
     for _ in range(3):
         assert not b.retry_refused(first, now=T0)
         await b.admit(req(model="peek", retry_count=1), now=T0)
-    if make_budgets.kind == "redis":
-        assert not b.retry_refused(first, now=T0)
-        return
     for _ in range(5):  # asking changes nothing
         assert b.retry_refused(first, now=T0)
     with pytest.raises(BudgetExceeded):
@@ -311,9 +308,6 @@ async def test_a_refusal_told_to_retry_counts_in_the_next_refusals_reads(make_bu
     await b.admit(first, now=T0)
     mono = time.monotonic()
     told = [b.promise_retry(first, 0.5, now=T0, mono=mono) for _ in range(5)]
-    if make_budgets.kind == "redis":
-        assert told == [True] * 5  # the shared counts are a round trip away: unknown, so told to retry
-        return
     assert told == [True, True, True, False, False]
     assert b.promise_retry(first, None, now=T0, mono=mono)  # a 429 that says not to retry promises nothing
     tenant = ident(first.tenant)
@@ -327,9 +321,27 @@ async def test_a_refusal_told_to_retry_counts_in_the_next_refusals_reads(make_bu
 
 
 @pytest.mark.asyncio
+async def test_with_redis_the_read_sees_another_sidecars_retries_from_its_own_last_admit(make_budgets) -> None:
+    """Two sidecars share one Redis. Sidecar A admits the tenant's floor of retries; sidecar B has not seen them
+    until its own next admit returns the shared counts, and from then on tells no client to retry. In memory each
+    sidecar reads only its own counts."""
+    a, b = await make_budgets(), await make_budgets()
+    first = req(model="shared")
+    await b.admit(first, now=T0)
+    await a.admit(req(model="shared"), now=T0)
+    for _ in range(3):
+        await a.admit(req(model="shared", retry_count=1), now=T0)
+    assert a.retry_refused(first, now=T0)
+    assert not b.retry_refused(first, now=T0)  # B's last admit was before A's retries
+    await b.admit(req(model="shared"), now=T0)
+    assert b.retry_refused(first, now=T0) is (make_budgets.kind == "redis")
+    assert b.promise_retry(first, 0.5, now=T0) is (make_budgets.kind == "memory")
+
+
+@pytest.mark.asyncio
 async def test_a_promise_not_kept_expires_after_its_retry_after_and_a_grace() -> None:
     """A client told to retry may never come back (it gave up): its promise holds the room only until its
-    retry-after + PROMISE_GRACE_S. (The memory store's read; with Redis it is unknown, the test above.)"""
+    retry-after + PROMISE_GRACE_S. (The memory store's read: the promises are the same with Redis.)"""
     b = Budgets(parse_section("budgets", {}))
     first = req(model="unkept")
     await b.admit(first, now=T0)

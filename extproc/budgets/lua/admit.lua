@@ -7,6 +7,9 @@
 --   9 r_ttl_ms, 10 t_on, 11 cost, 12 max_calls, 13 max_tokens, 14 max_wall_s, 15 max_active, 16 ttl_ms,
 --   17 active_score (now + inflight_ttl), 18 q_on, 19 q_cost, 20 q_limit, 21 q_frac, 22 q_ttl_ms
 -- ARGV[2]: charge token; ARGV[3]: task member
+-- Returns {code, is_retry, ...}. With the retry check on, an admit ({0, is_retry, w1..w8}) and a retry refusal
+-- ({2, 1, scope, retries, allowed, w1..w8}) also return the 8 retry window counts in KEYS order, as they stand
+-- after this call: the sidecar mirrors them to tell a refused client whether its retry would be admitted.
 local a = {}
 for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
 local now = tonumber(a[1])
@@ -24,22 +27,24 @@ for i = 1, nm do
 end
 local k = nm
 local rk = k
+local w = {}  -- the retry window counts, read once (KEYS order), returned to be mirrored
 if r_on then
   k = k + 8
+  for i = 1, 8 do w[i] = tonumber(redis.call('GET', KEYS[rk + i]) or '0') end
   if is_retry == 1 then
     local share = tonumber(a[6])
     local floor_ = tonumber(a[7])
     local keep = 1 - tonumber(a[8])
     local scopes = {'pool', 'tenant'}
     for j = 1, 0, -1 do  -- the tenant's own share first; the pool's only past the tenant's floor
-      local b = rk + j * 4
-      local adm = tonumber(redis.call('GET', KEYS[b + 1]) or '0')
-                  + tonumber(redis.call('GET', KEYS[b + 2]) or '0') * keep
-      local ret = tonumber(redis.call('GET', KEYS[b + 3]) or '0')
-                  + tonumber(redis.call('GET', KEYS[b + 4]) or '0') * keep
+      local b = j * 4
+      local adm = w[b + 1] + w[b + 2] * keep
+      local ret = w[b + 3] + w[b + 4] * keep
       if j == 1 and ret + 1 <= floor_ then break end
       local allowed = math.max(floor_, share * (adm + 1))
-      if ret + 1 > allowed then return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed)} end
+      if ret + 1 > allowed then
+        return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed), w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]}
+      end
     end
   end
 end
@@ -83,11 +88,10 @@ end
 for i = 1, nm do redis.call('SET', KEYS[i], ARGV[2], 'PX', a[3]) end
 if r_on then
   local ttl = a[9]
-  redis.call('INCR', KEYS[rk + 1]); redis.call('PEXPIRE', KEYS[rk + 1], ttl)
-  redis.call('INCR', KEYS[rk + 5]); redis.call('PEXPIRE', KEYS[rk + 5], ttl)
-  if is_retry == 1 then
-    redis.call('INCR', KEYS[rk + 3]); redis.call('PEXPIRE', KEYS[rk + 3], ttl)
-    redis.call('INCR', KEYS[rk + 7]); redis.call('PEXPIRE', KEYS[rk + 7], ttl)
+  local charged = {1, 5}
+  if is_retry == 1 then charged = {1, 5, 3, 7} end
+  for _, i in ipairs(charged) do
+    w[i] = redis.call('INCR', KEYS[rk + i]); redis.call('PEXPIRE', KEYS[rk + i], ttl)
   end
 end
 if t_on then
@@ -106,4 +110,5 @@ if q_on then
   redis.call('INCRBY', KEYS[qk + 1], a[19])
   redis.call('PEXPIRE', KEYS[qk + 1], a[22])
 end
+if r_on then return {0, is_retry, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]} end
 return {0, is_retry}
