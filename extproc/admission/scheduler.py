@@ -272,8 +272,9 @@ class Scheduler:
             self.m.shed(lane, "wait_exceeds_deadline")
             too_long = req.client_timeout_s is not None and expected > req.client_timeout_s
             raise Shed(429, "queue_wait_exceeds_deadline",
-                       f"about {expected:.1f}s of queue ahead on {req.model}, more than this request may wait "
-                       f"({wait_budget:.1f}s); retry later", retry_after_s=self._clamp_retry_after(expected),
+                       f"about {expected:.1f}s of queue ahead on {req.model} ({expected * WAIT_SAFETY:.1f}s with "
+                       f"the estimate's margin), more than this request may wait ({wait_budget:.1f}s); retry later",
+                       retry_after_s=self._clamp_retry_after(expected),
                        should_retry=not too_long)
         if len(queue) >= pol.lanes[lane].max_queue:
             victim = queue.lowest_priority_newest(below=prio)

@@ -1,13 +1,14 @@
 """Scheduler + placer: token-metered dispatch, lanes, deadlines, shedding, release."""
 
 import asyncio
+import re
 import time
 
 import pytest
 
 from extproc.admission.policy import LanePolicy
 from extproc.admission.queue import Waiter
-from extproc.admission.scheduler import LATE, Placement, Scheduler, Shed
+from extproc.admission.scheduler import LATE, WAIT_SAFETY, Placement, Scheduler, Shed
 from extproc.config import PoolConfig, parse_section, policy_from_dict
 from extproc.request import LLMRequest
 from extproc.admission.placement import Placer
@@ -295,6 +296,11 @@ async def test_sheds_at_once_when_the_queue_ahead_outlasts_the_wait_budget():
             s.submit(req(), 2.0)
     assert exc.value.code == "queue_wait_exceeds_deadline"
     assert exc.value.status == 429 and exc.value.retry_after_s >= 1.0
+    # the message names the wait with the estimate's margin, which is what exceeded the budget
+    m = re.search(r"about ([\d.]+)s of queue ahead on m \(([\d.]+)s with the estimate's margin\), more than this "
+                  r"request may wait \(([\d.]+)s\)", exc.value.message)
+    assert m is not None, exc.value.message
+    assert float(m[2]) == pytest.approx(float(m[1]) * WAIT_SAFETY, abs=0.1) and float(m[2]) > float(m[3])
 
 
 async def test_a_flood_held_at_its_prefill_share_stays_queued_and_a_quiet_tenant_goes_first():
