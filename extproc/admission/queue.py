@@ -88,6 +88,20 @@ class FairQueue:
                 return level[min(ready, key=lambda t: vt.get(t, 0.0))][0]
         return None
 
+    def behind(self, head: Waiter, limit: int) -> list[Waiter]:
+        """Up to `limit` waiters after `head`: priority first, then tenants in fair order, each tenant's oldest
+        first (the candidates for a backfill past a head that waits for KV)."""
+        vt = self.virtual.vtime
+        out: list[Waiter] = []
+        for level in self.levels:
+            for tenant in sorted(level, key=lambda t: vt.get(t, 0.0)):
+                for w in level[tenant]:
+                    if w is not head:
+                        out.append(w)
+                        if len(out) >= limit:
+                            return out
+        return out
+
     def ahead_of(self, tenant: str, priority: int) -> int:
         """About how many queued requests a new one of `tenant` would wait behind (`work_ahead`'s count)."""
         return self.work_ahead(tenant, priority)[0]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from extproc.admission import metrics as am
 from extproc.admission.decode_time import DecodeTime
 from extproc.admission.kv_growth import Growth
-from extproc.admission.placement import REFILL_S, TENANT, Placer
+from extproc.admission.placement import CONCURRENCY, KV_FULL, LANE, PREFILL, QUEUE_FULL, REFILL_S, TENANT, Placer
 from extproc.admission.policy import AdmissionPolicy, LanePolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, VirtualClock, Waiter, work_ahead
@@ -47,6 +47,10 @@ WAIT_SAFETY = 1.4
 # retry-after, so a client's retry lands soon after the pool is back instead of the request waiting out the
 # outage in the queue and reaching a recovered replica too late for its SLO (P6).
 POOL_DOWN_RETRY_S = 1.0
+# A queue's next request that waits for KV alone (every replica's KV is committed past what it needs) lets
+# requests behind it go first when they will have ended before that KV frees: they take nothing it waits for
+# (EASY backfilling). At most this many are looked at per kick, so a kick stays cheap with a long queue.
+BACKFILL_SCAN = 16
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.2, 60.0  # the retry-after a shed request is given, bounded
 BUSY_MIN_RELEASES, BUSY_MIN_S = 4, 0.5  # releases and seconds of a saturated lane before its pace is trusted
 # The queue's priority level below every request priority: waiters whose SLO wait ended, served late (`serve_late`).
@@ -157,6 +161,9 @@ class Scheduler:
         self.busy_pace = [BusyPace() for _ in range(n + 1)]  # releases while its lanes had waiters (drain_rate)
         self.busy_since = [0.0] * (n + 1)  # when its lanes' queues last went from empty to waiting
         self.service_s = [0.0] * n  # EWMA of dispatch-to-release time, per lane
+        # per lane: when KV is predicted to free for its next request, while that request waits for KV alone
+        # (set by each kick, 0 otherwise): a request that ends before then may go first (`_backfill`)
+        self.kv_held_until = [0.0] * n
         self.prio_index = {name: i for i, name in enumerate(policy.priorities)}
         self._timer: asyncio.TimerHandle | None = None
         self.prefill = PrefillRate(policy.prefill_tokens_per_s, long_lane=max(1, n - 1), work=placer.prefill_work)
@@ -192,6 +199,19 @@ class Scheduler:
         m = self.meter[lane]
         return any(q.has_waiting_at_or_above(priority) for i, q in enumerate(self.queues)
                    if i == lane or (m == len(self.queues) and self.meter[i] == m))
+
+    def _lifetime_s(self, req: LLMRequest) -> float:
+        """About how long `req` would hold KV once placed: its prefill at the pool's speed, then its expected
+        output's decode."""
+        return self.placer.lane_prefill_s(req) + req.expected_output_tokens * self.placer.decode_s
+
+    def _backfills(self, lane: int, priority: int, req: LLMRequest, now: float) -> bool:
+        """Every queue `req` would wait behind (`_waiting_at_or_above`) is held by a request waiting for KV that
+        frees only after `req` would have ended: `req` may go first (`_backfill`)."""
+        m, n = self.meter[lane], len(self.queues)
+        ends = now + self._lifetime_s(req)
+        return all(self.kv_held_until[i] >= ends for i, q in enumerate(self.queues)
+                   if (i == lane or (m == n and self.meter[i] == m)) and q.has_waiting_at_or_above(priority))
 
     def on_scrape(self, now: float) -> None:
         """After a scrape round: the placer's prefill speed, decode time per token, engines' sequence caps and
@@ -243,7 +263,7 @@ class Scheduler:
         queue = self.queues[lane]
         self.placer.note_tenant(req.tenant, now, req.prompt_tokens)
         self.placer.note_lane(lane, now)
-        if not self._waiting_at_or_above(lane, prio):
+        if not self._waiting_at_or_above(lane, prio) or self._backfills(lane, prio, req, now):
             placed = self._try_place(req, lane, now)
             if placed is not None:
                 self.m.admitted(lane, queued=False)
@@ -406,6 +426,8 @@ class Scheduler:
 
     def _try_place(self, req: LLMRequest, lane: int, now: float, waited: float = 0.0) -> Placement | None:
         if not self._lane_allows(lane, req):
+            self.placer.last_reasons.clear()
+            self.placer.last_reasons[LANE] = 1  # the lane's own limits, not the replicas
             return None
         pins = self.placer.choose(req, lane, now, waited)
         if pins is None:
@@ -439,6 +461,8 @@ class Scheduler:
         for this kick (the pool is full for it); a tenant held at its prefill share is passed over in its lane."""
         held: dict[int, set[str]] = {}  # per lane, tenants at their prefill share: the next tenant may go
         open_lanes = [lane for lane in lanes if self.queues[lane].size]
+        for lane in lanes:
+            self.kv_held_until[lane] = 0.0
         dispatched = 0
         while open_lanes:
             best: tuple[int, float, float] | None = None
@@ -464,9 +488,42 @@ class Scheduler:
                 if self.placer.last_reasons.get(TENANT):
                     held.setdefault(lane, set()).add(w.tenant)
                 else:
-                    open_lanes.remove(lane)  # the pool is full for this lane: nothing else of it fits either
+                    open_lanes.remove(lane)  # the pool is full for this lane: only a backfill may pass its head
+                    dispatched += self._backfill(lane, w, now)
                 continue
             queue = self.queues[lane]
+            queue.pop(w)
+            self.m.queued(lane, w.priority, -1)
+            self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
+            w.future.set_result(placed)
+            dispatched += 1
+        return dispatched
+
+    def _backfill(self, lane: int, head: Waiter, now: float) -> int:
+        """`head` did not fit. If KV alone kept it off every replica (EASY backfilling):
+
+            held_until = now + kv_free_s(head)          (when KV is predicted to free for it)
+            w behind it may go now  iff  now + lifetime(w) <= held_until  and  w fits now
+
+        `lifetime` = prefill at the pool's speed + expected output x decode s per token: what goes first has
+        ended, by prediction, before the head could start, so it takes none of the KV the head waits for (PG: a
+        burst of long generations committed the pool's KV and held every short chat behind it). Returns how many
+        were dispatched; `held_until` is kept for new arrivals (`_backfills`)."""
+        reasons = self.placer.last_reasons
+        if not reasons.get(KV_FULL) or any(reasons.get(k) for k in (CONCURRENCY, PREFILL, QUEUE_FULL, LANE)):
+            return 0
+        kv_s = self.placer.kv_free_s(head.req, now)
+        if kv_s is None:
+            return 0
+        until = self.kv_held_until[lane] = now + kv_s
+        queue = self.queues[lane]
+        dispatched = 0
+        for w in queue.behind(head, BACKFILL_SCAN):
+            if w.future.done() or now + self._lifetime_s(w.req) > until:
+                continue
+            placed = self._try_place(w.req, lane, now, now - w.enqueued)
+            if placed is None:
+                continue
             queue.pop(w)
             self.m.queued(lane, w.priority, -1)
             self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)

@@ -127,3 +127,22 @@ async def test_a_waiter_whose_budget_ends_while_kv_stays_committed_is_told_when_
     lone = scheduler()
     lone.submit(req(), 1.0)
     assert lone.expired(w, 1.4).code == "queue_timeout"  # not KV: the queue's answer, retryable
+
+
+async def test_a_request_that_ends_before_the_kv_frees_for_the_queued_one_goes_first():
+    """EASY backfilling (scheduler `_backfill`): the next queued request waits for KV alone, so a request that
+    will have ended before that KV frees takes nothing it waits for and may go first; one that would still run
+    then waits its turn (PG: the burst's long generations held every short chat behind them)."""
+    s = scheduler()
+    for _ in range(8):
+        s.submit(req(), 1.0)
+    short = s.submit(req(out=10, prompt=1_000), 1.0)  # 90 tokens of KV left; 1,010 free 0.1 s after its start
+    head = s.submit(req(), 1.0)
+    assert isinstance(short, Placement) and isinstance(head, Waiter)  # waits for the short one's KV
+    assert s.kv_held_until[head.lane] == pytest.approx(short.growth.end)
+    tiny = s.submit(req(prompt=50, out=5), 1.0)  # 55 tokens, ends after 0.05 s: before the head could start
+    assert isinstance(tiny, Placement)
+    late = s.submit(req(prompt=50, out=30), 1.0)  # would still decode when the KV frees: behind the head
+    assert isinstance(late, Waiter)
+    assert s.queues[head.lane].behind(head, 8) == [late]
+    assert s.kick(1.0) == 0 and not late.future.done()  # a kick does not let it pass either
