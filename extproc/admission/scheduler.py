@@ -491,13 +491,16 @@ class Scheduler:
                     open_lanes.remove(lane)  # the pool is full for this lane: only a backfill may pass its head
                     dispatched += self._backfill(lane, w, now)
                 continue
-            queue = self.queues[lane]
-            queue.pop(w)
-            self.m.queued(lane, w.priority, -1)
-            self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
-            w.future.set_result(placed)
+            self._dispatch(lane, w, placed, now)
             dispatched += 1
         return dispatched
+
+    def _dispatch(self, lane: int, w: Waiter, placed: Placement, now: float) -> None:
+        """`w` leaves its queue, placed: its tenant is charged in the fair order, its client's wait ends."""
+        self.queues[lane].pop(w)
+        self.m.queued(lane, w.priority, -1)
+        self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
+        w.future.set_result(placed)
 
     def _backfill(self, lane: int, head: Waiter, now: float) -> int:
         """`head` did not fit. If KV alone kept it off every replica (EASY backfilling):
@@ -516,19 +519,14 @@ class Scheduler:
         if kv_s is None:
             return 0
         until = self.kv_held_until[lane] = now + kv_s
-        queue = self.queues[lane]
         dispatched = 0
-        for w in queue.behind(head, BACKFILL_SCAN):
+        for w in self.queues[lane].behind(head, BACKFILL_SCAN):
             if w.future.done() or now + self._lifetime_s(w.req) > until:
                 continue
             placed = self._try_place(w.req, lane, now, now - w.enqueued)
-            if placed is None:
-                continue
-            queue.pop(w)
-            self.m.queued(lane, w.priority, -1)
-            self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
-            w.future.set_result(placed)
-            dispatched += 1
+            if placed is not None:
+                self._dispatch(lane, w, placed, now)
+                dispatched += 1
         return dispatched
 
     def _arm_timer(self) -> None:
