@@ -200,16 +200,18 @@ class Scheduler:
         return any(q.has_waiting_at_or_above(priority) for i, q in enumerate(self.queues)
                    if i == lane or (m == len(self.queues) and self.meter[i] == m))
 
-    def _lifetime_s(self, req: LLMRequest) -> float:
-        """About how long `req` would hold KV once placed: its prefill at the pool's speed, then its expected
-        output's decode."""
-        return self.placer.lane_prefill_s(req) + req.expected_output_tokens * self.placer.decode_s
+    def _lifetime_s(self, req: LLMRequest, prefill_s: float | None = None) -> float:
+        """About how long `req` would hold KV once placed: its prefill at the pool's speed (`prefill_s` when the
+        caller has it), then its expected output's decode."""
+        if prefill_s is None:
+            prefill_s = self.placer.lane_prefill_s(req)
+        return prefill_s + req.expected_output_tokens * self.placer.decode_s
 
-    def _backfills(self, lane: int, priority: int, req: LLMRequest, now: float) -> bool:
+    def _backfills(self, lane: int, priority: int, req: LLMRequest, now: float, prefill_s: float) -> bool:
         """Every queue `req` would wait behind (`_waiting_at_or_above`) is held by a request waiting for KV that
         frees only after `req` would have ended: `req` may go first (`_backfill`)."""
         m, n = self.meter[lane], len(self.queues)
-        ends = now + self._lifetime_s(req)
+        ends = now + self._lifetime_s(req, prefill_s)
         return all(self.kv_held_until[i] >= ends for i, q in enumerate(self.queues)
                    if (i == lane or (m == n and self.meter[i] == m)) and q.has_waiting_at_or_above(priority))
 
@@ -263,7 +265,7 @@ class Scheduler:
         queue = self.queues[lane]
         self.placer.note_tenant(req.tenant, now, req.prompt_tokens)
         self.placer.note_lane(lane, now)
-        if not self._waiting_at_or_above(lane, prio) or self._backfills(lane, prio, req, now):
+        if not self._waiting_at_or_above(lane, prio) or self._backfills(lane, prio, req, now, prefill_s):
             placed = self._try_place(req, lane, now)
             if placed is not None:
                 self.m.admitted(lane, queued=False)

@@ -160,7 +160,7 @@ class Budgets:
         tenant = ident(req.tenant)
         pending = self.retry.pending(tenant, time.monotonic() if mono is None else mono)
         check = self.retry.check(req, tenant)
-        return self.store.retry_refused(check, time.time() if now is None else now, pending) is True
+        return self.store.retry_refused(check, time.time() if now is None else now, pending)
 
     def promise_retry(self, req: LLMRequest, retry_after_s: float | None, now: float | None = None,
                       mono: float | None = None) -> bool:
