@@ -11,6 +11,13 @@ QUEUE_DEPTH = Gauge("sluice_queue_depth", "Requests waiting in the sidecar's que
 QUEUE_WAIT = Histogram(
     "sluice_queue_wait_seconds", "How long dispatched requests waited in the queue.", ["pool", "lane"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+QUEUE_WAIT_OVER_ESTIMATE = Histogram(
+    "sluice_queue_wait_over_estimate",
+    "A queued request's wait (until dispatched, or shed at the end of its wait) over the queue-wait estimate it "
+    "was queued with (requests ahead / the lane's drain rate). A request is queued only while estimate x 1.4 "
+    "(the scheduler's WAIT_SAFETY) fits its wait budget: the share above 1.4 waited longer than that margin "
+    "allowed for.", ["pool", "lane"],
+    buckets=(0.25, 0.5, 0.75, 1.0, 1.4, 2, 3, 5, 10))
 ADMITTED = Counter("sluice_admitted_total", "Requests dispatched to a replica, by lane and whether they queued.",
                    ["pool", "lane", "queued"])
 SHED = Counter("sluice_shed_total",
@@ -38,6 +45,7 @@ class PoolMetrics:
         self.lanes = lanes
         self._depth = [[QUEUE_DEPTH.labels(pool, lane, p) for p in priorities] for lane in lanes]
         self._wait = [QUEUE_WAIT.labels(pool, lane) for lane in lanes]
+        self._over_estimate = [QUEUE_WAIT_OVER_ESTIMATE.labels(pool, lane) for lane in lanes]
         self._admitted = [(ADMITTED.labels(pool, lane, "false"), ADMITTED.labels(pool, lane, "true"))
                           for lane in lanes]
         self._inflight = [LANE_INFLIGHT.labels(pool, lane) for lane in lanes]
@@ -55,6 +63,10 @@ class PoolMetrics:
         self._inflight[lane].inc()
         if queued:
             self._wait[lane].observe(waited_s)
+
+    def waited_over_estimate(self, lane: int, waited_s: float, estimate_s: float) -> None:
+        """A queued request left the queue after `waited_s`; it was queued with `estimate_s` (> 0) of wait."""
+        self._over_estimate[lane].observe(waited_s / estimate_s)
 
     def late(self, lane: int) -> None:
         self._late[lane].inc()

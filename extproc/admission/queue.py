@@ -30,6 +30,7 @@ class Waiter:
     deadline: float
     enqueued: float
     late_until: float = 0.0  # once `deadline` passes undispatched, it may wait on, served late, until then
+    expected_wait: float = 0.0  # the queue-wait estimate it was queued with (0: none: nobody ahead, or no rate yet)
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
 
 

@@ -309,7 +309,8 @@ class Scheduler:
             victim.future.set_exception(self._overload(lane, now, "evicted",
                                                        "displaced by higher-priority traffic"))
         waiter = Waiter(req=req, lane=lane, priority=prio, tenant=req.tenant, deadline=now + wait_budget,
-                        enqueued=now, future=asyncio.get_running_loop().create_future())
+                        enqueued=now, expected_wait=expected or 0.0,
+                        future=asyncio.get_running_loop().create_future())
         waiter.late_until = waiter.deadline + self._late_budget(req, now, prefill_s, wait_budget)
         if not self._metered_waiting(lane):
             self.busy_since[self.meter[lane]] = now
@@ -502,6 +503,8 @@ class Scheduler:
         self.queues[lane].pop(w)
         self.m.queued(lane, w.priority, -1)
         self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
+        if w.expected_wait:
+            self.m.waited_over_estimate(lane, now - w.enqueued, w.expected_wait)
         w.future.set_result(placed)
 
     def _backfill(self, lane: int, head: Waiter, now: float) -> int:
@@ -585,6 +588,8 @@ class Scheduler:
         KV keeps it off every replica for longer than the shortest retry-after (MIN_RETRY_AFTER_S), 429
         kv_committed, final, retry-after = when KV frees (`submit`'s rule with no wait left)."""
         self.abandon(w)
+        if w.expected_wait:
+            self.m.waited_over_estimate(w.lane, now - w.enqueued, w.expected_wait)
         kv_s = self.placer.kv_free_s(w.req, now) if self.pool_up(now) else None
         if kv_s is not None and kv_s > MIN_RETRY_AFTER_S:
             self.m.shed(w.lane, "kv_committed")

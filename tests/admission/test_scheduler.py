@@ -365,3 +365,46 @@ async def test_an_unmeasured_decode_speed_refuses_only_what_no_engine_within_its
         s.submit(LLMRequest(request_id="", endpoint="chat", model="m", stream=False, prompt_tokens=800,
                             max_output_tokens=48, tenant="t", client_timeout_s=0.75), 0.0)
     assert exc.value.code == "deadline_unmeetable"
+
+
+def _over_estimate() -> tuple[float, float]:
+    """(count, sum) of sluice_queue_wait_over_estimate over every pool and lane."""
+    from prometheus_client import REGISTRY
+    count = total = 0.0
+    for metric in REGISTRY.collect():
+        if metric.name == "sluice_queue_wait_over_estimate":
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    count += sample.value
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+    return count, total
+
+
+async def test_a_queued_request_reports_its_wait_over_the_estimate_it_was_queued_with():
+    """WAIT_SAFETY made observable: each queued request that had a queue-wait estimate reports wait / estimate
+    once, when it is dispatched or shed at the end of its wait."""
+    s = make(n_replicas=1, max_concurrency_per_replica=1, max_wait_s=5.0)
+    t0 = time.monotonic()  # release() reads the clock
+    first = s.submit(req(), t0)
+    assert isinstance(first, Placement)
+    for t in (0.5, 1.0, 1.5, 2.0):  # about 2 releases/s
+        s.drain[0].tick(t0 - 2.0 + t)
+    s.service_s[0] = 0.5
+    count0, sum0 = _over_estimate()
+    nobody_ahead = s.submit(req(), t0)  # no estimate: nothing queued ahead of it
+    behind_one = s.submit(req(), t0)  # one ahead, 2/s: (1 + 1) / 2 = 1 s expected
+    behind_two = s.submit(req(), t0)  # 1.5 s expected
+    assert all(isinstance(w, Waiter) for w in (nobody_ahead, behind_one, behind_two))
+    assert behind_one.expected_wait == pytest.approx(1.0, rel=0.2) and nobody_ahead.expected_wait == 0.0
+    s.release(first, req())  # nobody_ahead dispatched: no estimate, nothing reported
+    assert nobody_ahead.future.done() and _over_estimate()[0] == count0
+    s.release(nobody_ahead.future.result(), req())  # behind_one dispatched at once: far under its estimate
+    assert behind_one.future.done()
+    count, total = _over_estimate()
+    assert count == count0 + 1 and total - sum0 < 0.25
+    shed = s.expired(behind_two, t0 + 3.0)  # its wait ended 3 s in: twice the 1.5 s it was queued with
+    assert shed.code == "queue_timeout"
+    count, total2 = _over_estimate()
+    assert count == count0 + 2
+    assert total2 - total == pytest.approx(3.0 / behind_two.expected_wait)
