@@ -408,6 +408,7 @@ async def _final(stack: Stack, run: RunData, session: aiohttp.ClientSession, bac
 SIDECAR_DIAG = {"rejections": ("sluice_rejections_total", ("status", "reason")),
                 "shed": ("sluice_shed_total", ("lane", "reason")),
                 "saturated": ("sluice_replica_saturated_total", ("reason",)),
+                "wait_over_estimate": ("sluice_queue_wait_over_estimate_bucket", ("lane", "le")),
                 "health": ("sluice_replica_health_transitions_total", ("replica", "from", "to", "reason")),
                 "outcomes": ("sluice_requests_total", ("outcome",)),
                 "retries_rejected": ("sluice_budget_retries_rejected_total", ()),
