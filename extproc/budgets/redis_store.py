@@ -240,7 +240,7 @@ class RedisStore:
                 self._enter_degraded(res)
                 self._pending.append(op)
             return
-        if isinstance(res, BaseException) or int(res[0]) != OK:
+        if not isinstance(res, (bytes, str)):  # not admitted (lua/admit.lua answers an admit with one string)
             return
         self.compensated += 1
         undo = SettleOp(op.now, op.charged(), dedupe_ttl_s=0.001,
@@ -381,12 +381,13 @@ class RedisStore:
         except self._errors as exc:
             self._enter_degraded(exc)
             return self.local.admit_sync(op)
+        if isinstance(res, (bytes, str)):  # admitted: "<is_retry>[ <the 8 retry window counts>]" (lua/admit.lua)
+            parts = res.split()
+            if op.retry is not None:
+                self.seen.mirror_retry_windows(op.retry, op.now, parts[1:])
+            return AdmitResult(OK, int(parts[0]) == 1, BACKEND_REDIS)
         code = int(res[0])
         is_retry = int(res[1]) == 1
-        if code == OK:
-            if op.retry is not None:
-                self.seen.mirror_retry_windows(op.retry, op.now, res[2:10])
-            return AdmitResult(OK, is_retry, BACKEND_REDIS)
         if code == DUPLICATE:
             return AdmitResult(DUPLICATE, True, BACKEND_REDIS, detail=_str(res[2])[len(self.prefix):])
         if code == TENANT_LIMIT:
@@ -394,7 +395,7 @@ class RedisStore:
             return AdmitResult(TENANT_LIMIT, is_retry, BACKEND_REDIS, "", _num(res[3]), _num(res[4]),
                                _num(res[5]), _num(res[6]), frac)
         if code == RETRY_BUDGET and op.retry is not None:
-            self.seen.mirror_retry_windows(op.retry, op.now, res[5:13])
+            self.seen.mirror_retry_windows(op.retry, op.now, res[5].split())
         return AdmitResult(code, is_retry, BACKEND_REDIS, _str(res[2]), _num(res[3]), _num(res[4]))
 
     async def settle(self, op: SettleOp, backend: str = BACKEND_REDIS) -> None:

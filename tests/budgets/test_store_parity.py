@@ -1,5 +1,6 @@
 """The Lua scripts and the MemoryStore implement the same semantics: a seeded random walk of admits and settles
-(duplicates, retries, task limits, active tasks, tenant windows, corrections) gives identical results on both."""
+(duplicates, retries, task limits, active tasks, tenant windows, corrections) gives identical results on both, and
+the retry windows the Redis store mirrors from admit.lua's replies (`RedisStore.seen`) are the memory store's."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def _settle_for(op: AdmitOp, rng: random.Random, now: float) -> SettleOp:
     return SettleOp(now, op.charged(), dedupe_ttl_s=3600.0, task_delta=delta, quota_delta=delta, idle_s=5.0)
 
 
+def _windows(store: MemoryStore, r: RetryCheck, now: float) -> list[tuple[float, float]]:
+    """(current, previous) of `r`'s four retry windows at `now`: the pool's admitted and retries, the tenant's."""
+    return [(w.cur, w.prev) for w in store._retry_windows(r, now)]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_memory_and_redis_agree(redis_server, seed: int) -> None:
@@ -63,6 +69,9 @@ async def test_memory_and_redis_agree(redis_server, seed: int) -> None:
         assert (a.code, a.is_retry, a.detail) == (b.code, b.is_retry, b.detail), (n, a, b)
         assert a.used == pytest.approx(b.used) and a.limit == pytest.approx(b.limit), (n, a, b)
         codes.add(a.code)
+        if op.retry is not None:  # the retry windows the Redis store was told (`seen`) are the memory store's
+            assert _windows(red.seen, op.retry, now) == _windows(mem, op.retry, now), n
+            assert red.retry_refused(op.retry, now) == mem.retry_refused(op.retry, now), n
         if a.code == OK:
             open_ops.append(op)
     assert not red.degraded

@@ -7,9 +7,11 @@
 --   9 r_ttl_ms, 10 t_on, 11 cost, 12 max_calls, 13 max_tokens, 14 max_wall_s, 15 max_active, 16 ttl_ms,
 --   17 active_score (now + inflight_ttl), 18 q_on, 19 q_cost, 20 q_limit, 21 q_frac, 22 q_ttl_ms
 -- ARGV[2]: charge token; ARGV[3]: task member
--- Returns {code, is_retry, ...}. With the retry check on, an admit ({0, is_retry, w1..w8}) and a retry refusal
--- ({2, 1, scope, retries, allowed, w1..w8}) also return the 8 retry window counts in KEYS order, as they stand
--- after this call: the sidecar mirrors them to tell a refused client whether its retry would be admitted.
+-- Returns, admitted: one string, is_retry ('0' / '1') and with the retry check on the 8 retry window counts in
+-- KEYS order as they stand after this call, space-separated; refused: {code, is_retry, ...}, a retry refusal
+-- ({2, 1, scope, retries, allowed, w}) with the same 8 counts as one such string w. The sidecar mirrors the counts
+-- to tell a refused client whether its retry would be admitted. Strings, not arrays of numbers: redis-py parses
+-- one bulk reply in a fraction of the time it takes for each element of an array (8 integers: about 35 us).
 local a = {}
 for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
 local now = tonumber(a[1])
@@ -27,10 +29,11 @@ for i = 1, nm do
 end
 local k = nm
 local rk = k
-local w = {}  -- the retry window counts, read once (KEYS order), returned to be mirrored
+local w = {}  -- the retry window counts, read once (KEYS order, as Redis holds them), returned to be mirrored
 if r_on then
   k = k + 8
-  for i = 1, 8 do w[i] = tonumber(redis.call('GET', KEYS[rk + i]) or '0') end
+  local m = redis.call('MGET', unpack(KEYS, rk + 1, rk + 8))  -- one call: 8 GETs took twice the server's time
+  for i = 1, 8 do w[i] = m[i] or '0' end  -- kept as strings: only a retry's check needs numbers
   if is_retry == 1 then
     local share = tonumber(a[6])
     local floor_ = tonumber(a[7])
@@ -38,12 +41,12 @@ if r_on then
     local scopes = {'pool', 'tenant'}
     for j = 1, 0, -1 do  -- the tenant's own share first; the pool's only past the tenant's floor
       local b = j * 4
-      local adm = w[b + 1] + w[b + 2] * keep
-      local ret = w[b + 3] + w[b + 4] * keep
+      local adm = tonumber(w[b + 1]) + tonumber(w[b + 2]) * keep
+      local ret = tonumber(w[b + 3]) + tonumber(w[b + 4]) * keep
       if j == 1 and ret + 1 <= floor_ then break end
       local allowed = math.max(floor_, share * (adm + 1))
       if ret + 1 > allowed then
-        return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed), w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]}
+        return {2, 1, scopes[j + 1], tostring(ret), tostring(allowed), table.concat(w, ' ')}
       end
     end
   end
@@ -110,5 +113,5 @@ if q_on then
   redis.call('INCRBY', KEYS[qk + 1], a[19])
   redis.call('PEXPIRE', KEYS[qk + 1], a[22])
 end
-if r_on then return {0, is_retry, w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8]} end
-return {0, is_retry}
+if r_on then return is_retry .. ' ' .. table.concat(w, ' ') end
+return tostring(is_retry)
