@@ -30,13 +30,10 @@ timeout) makes the run fail: its numbers would not be Redis's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,8 +44,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from bench import event_loop
 from bench.loadgen import percentile
 from bench.procstat import cpu_seconds
+from bench.redis_server import RedisProc
 from extproc.budgets import BudgetExceeded, Budgets
 from extproc.budgets.ops import AdmitOp
 from extproc.config import EMBEDDED_POLICY, Policy, load_policy
@@ -68,53 +67,15 @@ class NoRetryShareBudgets(Budgets):
         return op
 
 
-class RedisServer:
-    """A redis-server child process on a free loopback port, killed by PID."""
+def _cpu_s(server: RedisProc) -> float:
+    assert server.proc is not None
+    return cpu_seconds(server.proc.pid)
 
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server is not installed: apt-get install -y --no-install-recommends redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port: int = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 5.0
-        while not self._answers_ping():
-            if self.proc.poll() is not None:
-                raise SystemExit(f"redis-server exited with {self.proc.returncode}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("redis-server did not answer PING within 5 s")
-            time.sleep(0.02)
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _answers_ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def cpu_s(self) -> float:
-        return cpu_seconds(self.proc.pid)
-
-    def version(self) -> str:
-        out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"], capture_output=True,
-                             text=True, check=False).stdout
-        return next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), out.strip())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
+def redis_version() -> str:
+    out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"], capture_output=True,
+                         text=True, check=False).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), out.strip())
 
 
 @dataclass
@@ -200,13 +161,14 @@ async def measure(admits: int, warmup: int, max_seconds: float,
     """`warmup` then `admits` turns (fewer if `max_seconds` pass), each one admit + settle on every store."""
     policy = load_policy(EMBEDDED_POLICY)
     run = os.urandom(3).hex()
-    servers: dict[str, RedisServer] = {}
+    servers: dict[str, RedisProc] = {}
     admins: dict[str, Any] = {}
     made: dict[str, Budgets] = {}
     try:
         for s in stores:
             if s != "memory":
-                servers[s] = RedisServer()
+                servers[s] = RedisProc()
+                servers[s].start()
                 admins[s] = aioredis.Redis.from_url(servers[s].url, socket_timeout=10)
             made[s] = budgets_for(policy, s, servers[s].url if s in servers else None, run)
             await made[s].start()
@@ -218,7 +180,7 @@ async def measure(admits: int, warmup: int, max_seconds: float,
                 await _pair(made[s], reqs[s].next(), None)
         for admin in admins.values():
             await admin.config_resetstat()
-        rcpu0 = {s: srv.cpu_s() for s, srv in servers.items()}
+        rcpu0 = {s: _cpu_s(srv) for s, srv in servers.items()}
         until = time.monotonic() + max_seconds
         for i in range(admits):
             for s in turns[i % 2]:
@@ -226,17 +188,17 @@ async def measure(admits: int, warmup: int, max_seconds: float,
             if time.monotonic() > until:
                 break
         for s, srv in servers.items():
-            series[s].redis_cpu_s = srv.cpu_s() - rcpu0[s]
+            series[s].redis_cpu_s = _cpu_s(srv) - rcpu0[s]
             await _server_stats(admins[s], series[s])
         fallbacks = {s: b.store.stats().get("fallback_count", 0) for s, b in made.items()}
-        versions = {srv.version() for srv in servers.values()}
+        versions = {redis_version()} if servers else set()
     finally:
         for b in made.values():
             await b.close()
         for admin in admins.values():
             await admin.aclose()
         for srv in servers.values():
-            srv.stop()
+            srv.kill()
     return {"stores": {s: series[s].summary() for s in stores}, "fallbacks": fallbacks,
             "redis_server": ", ".join(sorted(versions)), "retry_policy": dataclasses.asdict(policy.budgets.retry)}
 
@@ -253,24 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=200, help="unmeasured admits per store first (default 200)")
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="stop the measured admits after this long (default 60)")
-    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default=None,
+    ap.add_argument("--loop", choices=event_loop.LOOPS, default=None,
                     help="event loop (default: uvloop when installed, like the sidecar)")
     ap.add_argument("--json", metavar="FILE", help="write the numbers there (bench/results/budget-store-cost.json)")
     args = ap.parse_args(argv)
-
-    loop_name = args.loop
-    if loop_name is None:
-        try:
-            import uvloop  # noqa: F401
-            loop_name = "uvloop"
-        except ImportError:
-            loop_name = "asyncio"
     coro = measure(args.admits, args.warmup, args.max_seconds)
-    if loop_name == "uvloop":
-        import uvloop
-        res = uvloop.run(coro)
-    else:
-        res = asyncio.run(coro)
+    res, loop_name = event_loop.run(coro, args.loop)
     head = _git("rev-parse", "--short", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "extproc"))
     res = {"commit": head + ("+dirty" if dirty else ""), "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import event_loop
+
 RESULTS = Path(__file__).parent / "results" / "scrape_cost.json"
 BAR_PERCENT = 5.0
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=0.2, help="scrape interval, seconds (default 0.2)")
-    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default=None,
+    ap.add_argument("--loop", choices=event_loop.LOOPS, default=None,
                     help="event loop of the scraping process (default: uvloop when installed, like the sidecar)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -243,19 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         if not line:
             raise SystemExit("the replica process did not start")
         info = json.loads(line)
-        loop_name = args.loop
-        if loop_name is None:
-            try:
-                import uvloop  # noqa: F401
-                loop_name = "uvloop"
-            except ImportError:
-                loop_name = "asyncio"
         coro = _measure(info["addresses"], args.seconds, args.interval)
-        if loop_name == "uvloop":
-            import uvloop
-            res = uvloop.run(coro)
-        else:
-            res = asyncio.run(coro)
+        res, loop_name = event_loop.run(coro, args.loop)
     finally:
         if child.stdin:
             child.stdin.close()

@@ -6,68 +6,27 @@ use `redis_proc` (their own server); the rest share one session server and isola
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
 
+import bench.redis_server
 from extproc.budgets import BudgetPolicy, Budgets
 from extproc.config import parse_section
 from extproc.request import LLMRequest
 from tests.tools import tool
-from tests.waiting import wait_for
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProc:
-    """One redis-server child process; start / kill / restart on the same port."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+class RedisProc(bench.redis_server.RedisProc):
+    """bench/redis_server.py's server, the program found by tests.tools.tool: a test fails naming the package to
+    install when it is missing."""
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [tool("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if not wait_for(self._answers_ping, 5.0, 0.02):
-            raise RuntimeError("redis-server did not answer PING within 5 s")
-
-    def _answers_ping(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
-        self.proc = None
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, sig)
+        self.exe = tool("redis-server")
+        super().start()
 
 
 @pytest.fixture(scope="session")
