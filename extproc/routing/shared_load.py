@@ -48,6 +48,7 @@ from extproc.routing import metrics as rm
 from extproc.routing.policy import SharedLoadPolicy
 
 log = logging.getLogger("sluice.routing.shared_load")
+STOP_WAIT_S = 2.0  # how long stop() waits for the loop to end and for the client to close
 
 LocalView = Callable[[], Mapping[str, Mapping[str, tuple[int, ...]]]]
 """This sidecar's requests in flight: pool -> replica address -> (tokens, requests, output still to decode,
@@ -209,14 +210,18 @@ class SharedLoad:
                 log.exception("shared load round failed")
 
     async def stop(self) -> None:
+        """Cancel the loop and close the client, each within STOP_WAIT_S: a round trip stuck in the Redis client
+        (a connection pool that does not give up under a Redis kill) must not hold the sidecar's shutdown."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        try:
-            await self.client.aclose(close_connection_pool=True)
-        except Exception:  # closing a broken connection must not fail shutdown
-            pass
+            _, stuck = await asyncio.wait({task}, timeout=STOP_WAIT_S)
+            if stuck:
+                log.warning("shared load round still running %.0f s after its cancel: left behind", STOP_WAIT_S)
+        close = asyncio.ensure_future(self.client.aclose(close_connection_pool=True))
+        await asyncio.wait({close}, timeout=STOP_WAIT_S)
+        if close.done() and not close.cancelled():
+            close.exception()  # retrieved, not raised: closing a broken connection must not fail shutdown
 
 
 def shared_load_from_policy(policy: Any, worker: int, local_view: LocalView,

@@ -4,6 +4,7 @@ silent peer, make one round trip per interval, and survive Redis being killed an
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -16,6 +17,7 @@ from extproc.config import PolicyError, parse_section, policy_from_dict
 from extproc.request import LLMRequest
 from extproc.routing.policy import SharedLoadPolicy
 from extproc.routing.pool import EngineState, Pool, Replica
+from extproc.routing import shared_load
 from extproc.routing.shared_load import Load, SharedLoad, _encode, _merge, redis_client
 from tests.budgets.conftest import redis_proc, redis_server  # noqa: F401  (fixtures: a real redis-server)
 from tests.waiting import wait_for_async
@@ -161,6 +163,31 @@ async def test_losing_redis_empties_the_view_and_it_comes_back_by_itself(redis_p
     await wait_for_async(lambda: not va.degraded and va.others("m", "r1") == Load(80, 2), 4.0)
     assert not va.degraded and va.others("m", "r1") == Load(80, 2)
     assert REGISTRY.get_sample_value("sluice_shared_load_degraded") == 0
+
+
+async def test_stop_returns_while_a_round_trip_swallows_its_cancellation(redis_server, make, monkeypatch):
+    """A round trip stuck in the Redis client (a pool that ignores its cancel) does not hold shutdown: stop()
+    returns after STOP_WAIT_S."""
+    monkeypatch.setattr(shared_load, "STOP_WAIT_S", 0.2)
+    view = make(redis_server.url, Sidecar(), "a", interval_s=0.05, stale_after_s=0.5)
+    await view.start()
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def stuck_round() -> bool:
+        entered.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # swallowed, as the stuck client does
+        return True
+
+    view.sync_once = stuck_round  # the loop's next round trip
+    await asyncio.wait_for(entered.wait(), 2.0)
+    t0 = time.monotonic()
+    await view.stop()
+    assert time.monotonic() - t0 < 1.0
+    release.set()  # the stuck round may end now: nothing is left for the loop's teardown to wait for
 
 
 @pytest.mark.parametrize("bad", [{"interval_s": 1.0, "stale_after_s": 0.5}, {"interval_s": 0.1, "max_backoff_s": 0.05},
