@@ -48,6 +48,7 @@ from bench import event_loop
 from bench.loadgen import percentile
 from bench.procstat import cpu_seconds
 from bench.redis_server import RedisProc
+from bench.report import git_commit
 from extproc.budgets import BudgetExceeded, Budgets
 from extproc.budgets.ops import AdmitOp
 from extproc.config import EMBEDDED_POLICY, Policy, load_policy
@@ -203,12 +204,6 @@ async def measure(admits: int, warmup: int, max_seconds: float,
             "redis_server": ", ".join(sorted(versions)), "retry_policy": dataclasses.asdict(policy.budgets.retry)}
 
 
-def _git(*args: str) -> str:
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=False)
-    return r.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.budget_store_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--admits", type=int, default=5000, help="measured admits per store (default 5000)")
@@ -221,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     coro = measure(args.admits, args.warmup, args.max_seconds)
     res, loop_name = event_loop.run(coro, args.loop)
-    head = _git("rev-parse", "--short", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "extproc"))
-    res = {"commit": head + ("+dirty" if dirty else ""), "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    res = {"commit": git_commit(), "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
            "command": " ".join(["python -m bench.budget_store_cost", *(sys.argv[1:] if argv is None else argv)]),
            "loop": loop_name, "python": sys.version.split()[0], "admits": args.admits, "warmup": args.warmup, **res}
     print(f"budget store admit cost at {res['commit']} ({loop_name}, redis-server {res['redis_server']}), "

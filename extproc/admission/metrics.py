@@ -65,8 +65,10 @@ class PoolMetrics:
             self._wait[lane].observe(waited_s)
 
     def waited_over_estimate(self, lane: int, waited_s: float, estimate_s: float) -> None:
-        """A queued request left the queue after `waited_s`; it was queued with `estimate_s` (> 0) of wait."""
-        self._over_estimate[lane].observe(waited_s / estimate_s)
+        """A queued request left the queue after `waited_s`; it was queued with `estimate_s` of wait (0: it had
+        no estimate, nothing is reported)."""
+        if estimate_s > 0:
+            self._over_estimate[lane].observe(waited_s / estimate_s)
 
     def late(self, lane: int) -> None:
         self._late[lane].inc()

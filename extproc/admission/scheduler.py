@@ -503,8 +503,7 @@ class Scheduler:
         self.queues[lane].pop(w)
         self.m.queued(lane, w.priority, -1)
         self.m.admitted(lane, queued=True, waited_s=now - w.enqueued)
-        if w.expected_wait:
-            self.m.waited_over_estimate(lane, now - w.enqueued, w.expected_wait)
+        self.m.waited_over_estimate(lane, now - w.enqueued, w.expected_wait)
         w.future.set_result(placed)
 
     def _backfill(self, lane: int, head: Waiter, now: float) -> int:
@@ -588,8 +587,7 @@ class Scheduler:
         KV keeps it off every replica for longer than the shortest retry-after (MIN_RETRY_AFTER_S), 429
         kv_committed, final, retry-after = when KV frees (`submit`'s rule with no wait left)."""
         self.abandon(w)
-        if w.expected_wait:
-            self.m.waited_over_estimate(w.lane, now - w.enqueued, w.expected_wait)
+        self.m.waited_over_estimate(w.lane, now - w.enqueued, w.expected_wait)
         kv_s = self.placer.kv_free_s(w.req, now) if self.pool_up(now) else None
         if kv_s is not None and kv_s > MIN_RETRY_AFTER_S:
             self.m.shed(w.lane, "kv_committed")

@@ -167,18 +167,9 @@ class MemoryStore:
     def mirror_retry_windows(self, r: RetryCheck, now: float, counts: Sequence[Any]) -> None:
         """Set `r`'s four retry windows to counts another store reported at `now` (pool admitted cur/prev, pool
         retries cur/prev, then the tenant's: lua/admit.lua's KEYS order; numbers, or their str / bytes), so
-        `retry_refused` reads them. Runs on every Redis admit: each window is set outright (what rolling it to
-        `now`'s index and then overwriting both counts would leave), without `_retry_windows`' rolls."""
+        `retry_refused` reads them."""
         self._sweep(now)
-        idx = math.floor(now / r.window_s)  # window_index(now, r.window_s)[0]
-        windows = self._windows
-        pool, tenant = r.pool, r.tenant
-        for j, name in enumerate((pool + ":a", pool + ":r", tenant + ":a", tenant + ":r")):
-            w = windows.get(name)
-            if w is None:
-                w = windows[name] = _Window(idx, r.window_s)
-            else:
-                w.idx = idx
+        for j, w in enumerate(self._retry_windows(r, now)):
             w.cur = float(counts[2 * j])
             w.prev = float(counts[2 * j + 1])
 
