@@ -31,6 +31,7 @@ import asyncio
 import datetime
 import json
 import math
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -159,7 +160,7 @@ def hol_long_ttft(offsets: list[float]) -> float:
     return offsets[-1] * len(offsets) / (len(offsets) - 0.5)
 
 
-def sim_hol_scaled(p: Preset, offsets: list[float]) -> list[float]:
+def sim_hol_scaled(p: Preset, offsets: list[float], measured_long: float | None = None) -> list[float]:
     """The short request's TTFT at each offset, in units of the long prefill measured beside it (converted back to
     seconds at the measured speed): the short arrives at the same fractions of the simulated long prompt's TTFT as
     it did of the real one's, and each wait is scaled by measured long TTFT / simulated long TTFT.
@@ -168,8 +169,12 @@ def sim_hol_scaled(p: Preset, offsets: list[float]) -> list[float]:
     prefill's speed is the TTFT rows' to check. The same 4,000-token prompt measured twice minutes apart on this
     shared machine took 0.3445 s (row ttft_4000) and 0.3128 s (beside the HOL rows), and a short's wait is the
     long prefill's end less its arrival, a difference that doubled that 10 % drift into an 18 % error of the HOL
-    mean with the absolute offsets."""
-    measured_long = hol_long_ttft(offsets)
+    mean with the absolute offsets.
+
+    ``measured_long``: the long prompt's TTFT alone measured between the trials (the median; ``hol_long_ttfts`` in
+    a measurement's ``extra``); measurements without it use the one the offsets were cut from, before the trials."""
+    if measured_long is None:
+        measured_long = hol_long_ttft(offsets)
     simulated_long = sim_ttft(p, HOL_LONG)
     scale = simulated_long / measured_long
     return [t / scale for t in sim_hol(p, [o * scale for o in offsets])]
@@ -225,7 +230,8 @@ def simulate(spec: RowSpec, p: Preset, extra: dict[str, Any]) -> float:
     if k == "decode":
         return sim_decode(p, spec.arg, extra.get("decode_method", "stream"))
     if k in ("hol_mean", "hol_max"):
-        hol = sim_hol_scaled(p, extra["hol_offsets"])
+        longs = extra.get("hol_long_ttfts")
+        hol = sim_hol_scaled(p, extra["hol_offsets"], statistics.median(longs) if longs else None)
         return sum(hol) / len(hol) if k == "hol_mean" else max(hol)
     if k == "prefix_hit":
         return sim_prefix_hit(p, spec.arg, spec.arg2)
@@ -350,7 +356,10 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
             put(name, samples)
         long_ttft = median(await eng.ttft(HOL_LONG, repeats))
         offsets = hol_offsets(long_ttft)
-        per_offset = [median(xs) for xs in await eng.hol(offsets, 3, HOL_LONG, HOL_SHORT)]
+        shorts, hol_longs = await eng.hol(offsets, 3, HOL_LONG, HOL_SHORT)
+        per_offset = [median(xs) for xs in shorts]
+        log(f"  (the {HOL_LONG}-token prompt alone: {long_ttft:.6g} s before the HOL trials, "
+            f"{median(hol_longs):.6g} s between them; the HOL rows compare with the latter)")
         put("hol_short_ttft_mean", per_offset, sum(per_offset) / len(per_offset))
         put("hol_short_ttft_max", per_offset, max(per_offset))
         for s in ROW_SPECS:
@@ -363,7 +372,8 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         for s in ROW_SPECS:
             if s.kind == "metrics":
                 put(s.name, await eng.metrics_latency(s.arg, s.arg2, polls=30))
-        extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets], "abort_extra_tokens": extra_tokens,
+        extra: dict[str, Any] = {"hol_offsets": [round(o, 6) for o in offsets],
+                                 "hol_long_ttfts": [round(t, 6) for t in hol_longs], "abort_extra_tokens": extra_tokens,
                                  "decode_method": "batch", "decode_retries": eng.decode_retries}
         if preempt_url:
             small = LiveEngine(preempt_url, session, vocab=settings["vocab"], seed=2)

@@ -11,7 +11,8 @@ Probes (all times in seconds, as the client sees them):
 * ``ttft(n)``: one request of ``n`` prompt tokens on an idle engine, time to its first token;
 * ``decode(b)``: ``b`` streams of 128 prompt tokens started together; every token of the batch over the
   time from the first send to the last token (``batch_rate``), in tokens/s;
-* ``hol(offsets)``: a 100-token request sent ``offset`` seconds after a 4,000-token one; its TTFT;
+* ``hol(offsets)``: a 100-token request sent ``offset`` seconds after a 4,000-token one; its TTFT (and the
+  4,000-token prompt's alone, measured between those trials);
 * ``prefix_hit``: a prompt whose first ``hit`` tokens were just computed for another request (same
   ids, other suffix); its TTFT;
 * ``kv``: ``vllm:cache_config_info``'s ``num_gpu_blocks`` x ``block_size``;
@@ -275,16 +276,25 @@ class LiveEngine:
             out.append(batch_rate(sent, times))
         return out
 
-    async def hol(self, offsets: list[float], repeats: int, long: int = 4000, short: int = 100) -> list[list[float]]:
-        """Per offset, the short request's TTFTs over the repeats."""
+    async def hol(self, offsets: list[float], repeats: int, long: int = 4000,
+                  short: int = 100) -> tuple[list[list[float]], list[float]]:
+        """Per offset, the short request's TTFTs over the repeats; and the long prompt's TTFT alone, measured once
+        before each of those trials.
+
+        The trials compare with the long prefill beside them, not with one measured earlier: this shared
+        machine's speed drifts by tens of percent within minutes: in one calibration (on an Intel Xeon) the 4,000-token
+        prompt took 0.273 s just before the trials, and shorts sent 0.19 s into them found the engine idle."""
         out: list[list[float]] = [[] for _ in offsets]
+        alone: list[float] = []
         for _ in range(repeats):
             for i, off in enumerate(offsets):
+                await self.idle()
+                alone.append((await self.stream(self.prompt(long), 1)).ttft)
                 await self.idle()
                 _long, s = await asyncio.gather(self.stream(self.prompt(long), 1),
                                                 self.stream(self.prompt(short), 1, delay=off))
                 out[i].append(s.ttft)
-        return out
+        return out, alone
 
     async def prefix_hit(self, hit: int, total: int, repeats: int) -> list[float]:
         """TTFT of ``total`` tokens whose first ``hit`` were computed just before for another request."""

@@ -54,5 +54,7 @@ def test_calibrating_against_a_simulator_recovers_its_model(sims: list[SimServer
                                                                 "kv", "preempt")]
     off = {n: rows[n]["ratio"] for n in engine_rows if not LOW <= rows[n]["ratio"] <= HIGH}
     assert not off, off
+    longs = m["extra"]["hol_long_ttfts"]  # the long prompt alone, once before each HOL trial (8 offsets x 3)
+    assert len(longs) == 24 and LOW <= sorted(longs)[12] / rows["ttft_4000"]["measured"] <= HIGH
     fitted = get_preset(str(preset_file))
     assert (fitted.num_gpu_blocks, fitted.block_size, fitted.max_num_seqs) == (512, 128, 64)

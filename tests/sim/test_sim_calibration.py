@@ -104,3 +104,21 @@ def test_the_fit_gives_back_the_decode_rows_of_a_known_model(measurement: dict) 
     fitted = fit_preset(TINY_CPU, known, "known", "known")
     decode = {r.name: round(r.ratio, 3) for r in calibrate(fitted, known) if SPEC_BY_NAME[r.name].kind == "decode"}
     assert len(decode) >= 5 and all(0.97 <= v <= 1.03 for v in decode.values()), decode
+
+
+def test_hol_rows_compare_with_the_long_prompt_measured_beside_the_trials(measurement: dict) -> None:
+    """The offsets are cut from a long prefill measured before the HOL trials; when the machine's speed drifted in
+    between, the long measured alone between the trials (``hol_long_ttfts``) is the reference: a short sent at
+    0.75x of that long's TTFT is compared with the simulated short at 0.75x of the simulated long, whatever the
+    offsets were cut from."""
+    from extproc.sim.calibrate import HOL_LONG, hol_offsets, sim_hol, sim_ttft, simulate
+
+    long_alone = sim_ttft(TINY_CPU, HOL_LONG)  # the engine as fast as the model: scale 1
+    drifted = copy.deepcopy(measurement)
+    drifted["extra"]["hol_offsets"] = hol_offsets(1.4 * long_alone)  # cut from a long measured 40 % slower
+    drifted["extra"]["hol_long_ttfts"] = [long_alone * f for f in (0.98, 1.0, 1.03)]
+    expected = sim_hol(TINY_CPU, drifted["extra"]["hol_offsets"])
+    mean = simulate(SPEC_BY_NAME["hol_short_ttft_mean"], TINY_CPU, drifted["extra"])
+    assert mean == pytest.approx(sum(expected) / len(expected), rel=1e-9)
+    del drifted["extra"]["hol_long_ttfts"]  # without it: the long the offsets were cut from (1.4x) is the reference
+    assert simulate(SPEC_BY_NAME["hol_short_ttft_mean"], TINY_CPU, drifted["extra"]) > 1.2 * mean
