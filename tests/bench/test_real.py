@@ -66,6 +66,19 @@ def test_docs_section_is_replaced_between_its_markers(tmp_path: Path):
     assert text.count(BEGIN) == 1 and "two" in text and "one" not in text and text.startswith("# B\n\nintro")
 
 
+def test_a_section_of_another_name_leaves_the_default_one_alone(tmp_path: Path):
+    """Another machine's runs go between their own markers; the published section stays as it was."""
+    page = tmp_path / "b.md"
+    page.write_text(f"# B\n\n{BEGIN}\nfirst machine\n{END}\n")
+    a = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}})
+    text = section(merge([a]), merge([a]), "real-engines-xeon", ("x/real-xeon.json", "x/real-sim-xeon.json"))
+    write_docs(page, text, "real-engines-xeon")
+    write_docs(page, text, "real-engines-xeon")
+    out = page.read_text()
+    assert f"{BEGIN}\nfirst machine\n{END}" in out
+    assert out.count("<!-- real-engines-xeon:begin -->") == 1 and "from x/real-xeon.json and x/real-sim-xeon.json" in out
+
+
 def test_the_section_names_the_preset_and_the_machines_load_scale():
     preset = {"preset": "/x/preset.json", "name": "tiny-cpu", "description": "fitted to vLLM 0.32.0 here",
               "load_scale": 0.27}
