@@ -102,8 +102,10 @@ class SimBackend:
     def attach(self, stack: Any) -> None:
         self.stack = stack
 
-    async def begin_run(self, session: aiohttp.ClientSession, replicas: list[str]) -> None:
-        return None
+    async def begin_run(self, session: aiohttp.ClientSession, replicas: list[str]) -> dict[str, float]:
+        """Get the replicas ready for one system's run; what it measured on them (`VllmBackend`: each engine's
+        speed) or nothing."""
+        return {}
 
     async def state(self, session: aiohttp.ClientSession, addr: str, timeout: float = 1.0) -> dict[str, Any]:
         async with session.get(self.stack.sim_admin_url(addr) + "/sim/state",
@@ -141,6 +143,8 @@ def engine_args(sc: Scenario) -> tuple[int | None, int | None]:
 # Prompt tokens of one warm-up batch: the scenarios' shapes, up to P3's long prompt (16,000 on an AVX-512 CPU).
 WARM_UP_PROMPTS = (500, 800, 1000, 300, 600, 900, 2000, 6000, 16000)
 WARM_UP_ROUNDS = 2
+PROBE_TOKENS = 4000  # the engine-speed probe before each system's run (`VllmBackend._probe`): two prefill chunks
+PROBE_FIRST_ID = 16  # token ids below this may be special tokens
 WARM_UP_HEADROOM = 256  # tokens kept free of a warm-up prompt in the context: the chat template and the reply
 
 
@@ -170,6 +174,7 @@ class VllmBackend:
         self.duty: dict[int, Any] = {}
         self.text_scale = 1.0
         self.context = vllm_cpu.MAX_POSITIONS  # tokens the engines hold per sequence: their max_model_len
+        self._probes = 0  # speed probes sent: each one's prompt starts elsewhere in the vocabulary
 
     def supports(self, sc: Scenario) -> bool:
         return sc.id in REAL_SCENARIOS
@@ -254,14 +259,16 @@ class VllmBackend:
         async with session.get(self._url(addr) + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return parse_metrics(await resp.text())
 
-    async def begin_run(self, session: aiohttp.ClientSession, replicas: list[str]) -> None:
-        """Wait (bounded) for idle engines, drop their prefix caches, and take the counters' starting values."""
+    async def begin_run(self, session: aiohttp.ClientSession, replicas: list[str]) -> dict[str, float]:
+        """Wait (bounded) for idle engines, time one prefill on each (`_probe`), drop their prefix caches, and take
+        the counters' starting values. Returns the probes' seconds per replica."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             states = [await self._raw(session, a, 5) for a in replicas]
             if all(s["running"] + s["waiting"] == 0 for s in states):
                 break
             await asyncio.sleep(0.5)
+        probes = {a: await self._probe(session, a) for a in replicas}
         for a in replicas:
             try:
                 async with session.post(self._url(a) + "/reset_prefix_cache",
@@ -270,6 +277,24 @@ class VllmBackend:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 pass
             self.base[a] = await self._raw(session, a, 5)
+        return probes
+
+    async def _probe(self, session: aiohttp.ClientSession, addr: str) -> float:
+        """Seconds one idle engine takes to answer a PROBE_TOKENS-token prompt of fresh token ids with one token.
+
+        The systems of a scenario run one after another on the same engines, and this shared machine's engines
+        change speed within minutes (on an Intel Xeon the same 4,000-token prompt took 0.19 s and 0.29 s a minute
+        apart): the probe before each run shows whether two systems were compared at the same engine speed."""
+        ids = [PROBE_FIRST_ID + (self._probes * PROBE_TOKENS + i) % (self.vc.VOCAB - PROBE_FIRST_ID)
+               for i in range(PROBE_TOKENS)]
+        self._probes += 1
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "ignore_eos": True}
+        start = time.perf_counter()
+        async with session.post(self._url(addr) + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            await resp.read()
+            resp.raise_for_status()
+        return round(time.perf_counter() - start, 4)
 
     async def state(self, session: aiohttp.ClientSession, addr: str, timeout: float = 1.0) -> dict[str, Any]:
         now = await self._raw(session, addr, max(timeout, 2.0))

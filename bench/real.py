@@ -105,6 +105,25 @@ def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed_table(real: dict[str, Any]) -> str:
+    """Markdown: each system's engine-speed probe (`diagnostics.engine_probe_s`: one 4,000-token prefill per engine
+    just before the system's run, mean over the engines) per scenario, and the slowest over the fastest: a
+    comparison between systems is only as fair as that spread is small. Empty when no run has probes."""
+    systems = [s for s in (*BASELINES, "sluice")]
+    lines = []
+    for sid in (k for k in real if not k.startswith("_")):
+        probes = {s: ((real[sid].get(s) or {}).get("diagnostics") or {}).get("engine_probe_s") for s in systems}
+        means = {s: sum(p.values()) / len(p) for s, p in probes.items() if p}
+        if means:
+            cells = " | ".join(fmt(means.get(s)) for s in systems)
+            lines.append(f"| {sid} | {cells} | {max(means.values()) / min(means.values()):.2f} |")
+    if not lines:
+        return ""
+    head = ["| scenario | " + " | ".join(systems) + " | slowest / fastest |", "|---|" + "---|" * (len(systems) + 1)]
+    return ("\nThe engines' speed before each system's run (seconds for one 4,000-token prompt, mean of the two "
+            "engines; `diagnostics.engine_probe_s`):\n\n" + "\n".join(head + lines) + "\n")
+
+
 def bars_table(real: dict[str, Any]) -> str:
     lines = ["| scenario | bar | measured | result |", "|---|---|---|---|"]
     for sid, text, ok, shown in real_bars(real):
@@ -151,7 +170,7 @@ def section(real: dict[str, Any], sim: dict[str, Any], name: str = MARKERS,
             f"Real engines (`--backend vllm-cpu`), commit `{rm.get('commit')}`:\n\n{runs}\n\n"
             f"Simulator (`{_preset_name(sm)}` replicas), commit `{sm.get('commit')}`:\n\n{sim_runs}\n\n"
             f"{_preset_line(rm)}"
-            f"{comparison(real, sim)}{errors}\nIssue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
+            f"{comparison(real, sim)}{speed_table(real)}{errors}\nIssue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
             f"{bars_table(real)}{end}")
 
 

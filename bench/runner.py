@@ -441,6 +441,9 @@ def diagnostics(run: RunData) -> dict[str, Any]:
     cpu = run.extra.get("gateway_cpu_s")
     if cpu:
         out["gateway_cpu_s"] = cpu  # a cost next to the wins: CPU the gateway's processes used while serving
+    probes = run.extra.get("engine_probe_s")
+    if probes:
+        out["engine_probe_s"] = probes  # each real engine's speed before this system's run (VllmBackend._probe)
     envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
     if envoy:
         out["envoy"] = envoy
@@ -481,7 +484,9 @@ async def drive(sc: Scenario, stack: Stack, wl: Workload, run: RunData, quick: b
     t0: list[float] = []
     stop = asyncio.Event()
     async with aiohttp.ClientSession() as side:
-        await backend.begin_run(side, run.replicas)
+        probes = await backend.begin_run(side, run.replicas)
+        if probes:
+            run.extra["engine_probe_s"] = probes
         ctl = Control(stack, run, side, t0, backend)
         started = asyncio.Event()
 

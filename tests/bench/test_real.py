@@ -141,3 +141,42 @@ def test_an_engine_spec_names_the_cores_its_whole_engine_is_bound_to():
     assert EngineSpec(port=1, cpu="0,2-3").cores() == {0, 2, 3}
     ncpu = os.cpu_count() or 1
     assert [s.cores() for s in engine_specs([1, 2])] == [{0}, {1 % ncpu}]
+
+
+def test_the_section_shows_each_systems_engine_speed_and_their_spread():
+    probe = {"sluice": {"slo_goodput_rps": 1.0, "diagnostics": {"engine_probe_s": {"a": 0.3, "b": 0.28}}},
+             "envoy-rr": {"slo_goodput_rps": 1.0, "diagnostics": {"engine_probe_s": {"a": 0.2, "b": 0.2}}}}
+    text = section(merge([_run("P3", "abc", probe)]), merge([_run("P3", "abc", probe)]))
+    assert "slowest / fastest" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| P3 |") and ln.endswith("| 1.45 |"))
+    assert "0.29" in row and "0.2" in row  # sluice's mean of its two engines, envoy-rr's
+    without = section(merge([_run("P3", "abc", {"sluice": {"slo_goodput_rps": 1.0}})]),
+                      merge([_run("P3", "abc", {"sluice": {"slo_goodput_rps": 1.0}})]))
+    assert "slowest / fastest" not in without  # the simulator's runs have no probe
+
+
+async def test_the_real_backend_times_one_prefill_per_engine_before_each_run(tmp_path: Path):
+    """`begin_run` returns each replica's probe: one PROBE_TOKENS-token prompt, answered with one token (a
+    simulator stands in for the engine here; the probe only needs the OpenAI completions API and /metrics)."""
+    import aiohttp
+
+    from bench import backends
+    from bench.scenarios.base import MODEL
+    from extproc.sim import SimConfig, start_sim
+
+    sim = await start_sim(SimConfig(port=0, model=MODEL, time_scale=20))
+    try:
+        addr = sim.url.removeprefix("http://")
+        b = backends.VllmBackend(tmp_path)
+        async with aiohttp.ClientSession() as session:
+            first = await b.begin_run(session, [addr])
+            second = await b.begin_run(session, [addr])
+            async with session.get(sim.url + "/metrics") as resp:
+                text = await resp.text()
+        assert list(first) == [addr] and first[addr] > 0 and second[addr] > 0
+        prompt_tokens = next(float(ln.split()[-1]) for ln in text.splitlines()
+                             if ln.startswith("vllm:prompt_tokens_total"))
+        assert prompt_tokens == 2 * backends.PROBE_TOKENS
+        assert b.base[addr]["running"] == 0  # the counters' base is taken after the probe
+    finally:
+        await sim.stop()
