@@ -170,7 +170,8 @@ def section(real: dict[str, Any], sim: dict[str, Any], name: str = MARKERS,
             f"Real engines (`--backend vllm-cpu`), commit `{rm.get('commit')}`:\n\n{runs}\n\n"
             f"Simulator (`{_preset_name(sm)}` replicas), commit `{sm.get('commit')}`:\n\n{sim_runs}\n\n"
             f"{_preset_line(rm)}"
-            f"{comparison(real, sim)}{speed_table(real)}{errors}\nIssue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
+            f"{comparison(real, sim)}{speed_table(real)}{errors}\n"
+            f"Issue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
             f"{bars_table(real)}{end}")
 
 

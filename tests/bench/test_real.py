@@ -76,7 +76,8 @@ def test_a_section_of_another_name_leaves_the_default_one_alone(tmp_path: Path):
     write_docs(page, text, "real-engines-xeon")
     out = page.read_text()
     assert f"{BEGIN}\nfirst machine\n{END}" in out
-    assert out.count("<!-- real-engines-xeon:begin -->") == 1 and "from x/real-xeon.json and x/real-sim-xeon.json" in out
+    assert out.count("<!-- real-engines-xeon:begin -->") == 1
+    assert "from x/real-xeon.json and x/real-sim-xeon.json" in out
 
 
 def test_the_section_names_the_preset_and_the_machines_load_scale():
