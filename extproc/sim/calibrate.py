@@ -49,7 +49,6 @@ LOW, HIGH = 0.85, 1.15
 
 HOL_LONG, HOL_SHORT, HOL_OFFSETS = 4000, 100, 8
 PREFIX_TOTAL, PREFIX_HIT = 4000, 3968
-ROUNDS_MAX_PROMPT = 8000  # TTFT rows up to this prompt are measured in rounds with the prefix-hit rows
 DECODE_PROMPT, DECODE_OUT = 128, 128
 PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT = 8, 1024, 1024
 KEEPALIVE_S = 1.0  # the measuring client's idle keep-alive, under the servers' (uvicorn: 5 s)
@@ -342,26 +341,19 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         blocks, block_size = await eng.kv_capacity()
         log(f"engine {url}: version {version}, KV {blocks} x {block_size} tokens")
         await eng.ttft(64, 2)  # warm-up, not kept
-        # The TTFT rows up to ROUNDS_MAX_PROMPT tokens and the prefix-hit rows in rounds (each row once per round),
-        # so that a drift of the shared machine's speed during the measurement reaches them alike: the fit and
-        # the held-out rows compare them with each other. On an Intel Xeon the same 4,000-token prompt took
-        # 0.29 s and 0.19 s a minute apart, and a 2,048-token prompt behind a cached 1,920-token prefix, measured
-        # in the faster minute, came out 1.21x the fit to TTFT rows measured in the slower one. Longer prompts keep
-        # their repeats together, after the rounds: interleaved with 16,000-token prompts, the short prompts'
-        # TTFTs moved the fit (a held-out prefix row of tests/sim/test_sim_calibrate_live.py out of range in 2 of 5
-        # runs).
-        served = [s for s in ROW_SPECS if s.kind == "prefix_hit"
-                  or (s.kind == "ttft" and s.arg < settings["max_model_len"])]  # a longer prompt: no row
-        rounds = [s for s in served if s.kind == "prefix_hit" or s.arg <= ROUNDS_MAX_PROMPT]
-        first: dict[str, list[float]] = {s.name: [] for s in rounds}
+        # The TTFT and prefix-hit rows in rounds (each row once per round), so that a drift of the shared machine's
+        # speed during the measurement reaches them alike: the fit and the held-out rows compare them with each
+        # other. On an Intel Xeon the same 4,000-token prompt took 0.29 s and 0.19 s a minute apart; a row measured
+        # on its own in the faster minute came out 1.16x-1.34x the fit to rows measured in the slower one
+        # (prefix_hit_ttft_2k measured after the TTFT rows, ttft_16000 after the others).
+        prefill_rows = [s for s in ROW_SPECS if s.kind == "prefix_hit"
+                        or (s.kind == "ttft" and s.arg < settings["max_model_len"])]  # a longer prompt: no row
+        first: dict[str, list[float]] = {s.name: [] for s in prefill_rows}
         for _ in range(repeats):
-            for s in rounds:
+            for s in prefill_rows:
                 first[s.name] += await (eng.ttft(s.arg, 1) if s.kind == "ttft" else eng.prefix_hit(s.arg2, s.arg, 1))
         for name, samples in first.items():
             put(name, samples)
-        for s in served:
-            if s not in rounds:
-                put(s.name, await eng.ttft(s.arg, repeats))
         # The decode rows in rounds too, for the same reason: their ratios compare the rows with each other.
         decode_rows = [s for s in ROW_SPECS if s.kind == "decode"]
         decode: dict[str, list[float]] = {s.name: [] for s in decode_rows}
