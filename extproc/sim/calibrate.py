@@ -348,11 +348,11 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         # (prefix_hit_ttft_2k measured after the TTFT rows, ttft_16000 after the others).
         prefill_rows = [s for s in ROW_SPECS if s.kind == "prefix_hit"
                         or (s.kind == "ttft" and s.arg < settings["max_model_len"])]  # a longer prompt: no row
-        first: dict[str, list[float]] = {s.name: [] for s in prefill_rows}
+        prefill: dict[str, list[float]] = {s.name: [] for s in prefill_rows}
         for _ in range(repeats):
             for s in prefill_rows:
-                first[s.name] += await (eng.ttft(s.arg, 1) if s.kind == "ttft" else eng.prefix_hit(s.arg2, s.arg, 1))
-        for name, samples in first.items():
+                prefill[s.name] += await (eng.ttft(s.arg, 1) if s.kind == "ttft" else eng.prefix_hit(s.arg2, s.arg, 1))
+        for name, samples in prefill.items():
             put(name, samples)
         # The decode rows in rounds too, for the same reason: their ratios compare the rows with each other.
         decode_rows = [s for s in ROW_SPECS if s.kind == "decode"]

@@ -281,9 +281,10 @@ class LiveEngine:
         """Per offset, the short request's TTFTs over the repeats; and the long prompt's TTFT alone, measured once
         before each of those trials.
 
-        The trials compare with the long prefill beside them, not with one measured earlier: this shared
-        machine's speed drifts by tens of percent within minutes: in one calibration (on an Intel Xeon) the 4,000-token
-        prompt took 0.273 s just before the trials, and shorts sent 0.19 s into them found the engine idle."""
+        The trials compare with the long prefill beside them, not with one measured earlier: this shared machine's
+        engines change speed by tens of percent within a minute (on an Intel Xeon the 4,000-token prompt took
+        0.273 s just before one calibration's trials, and the trials' shorts found the engine idle 0.19 s into
+        them)."""
         out: list[list[float]] = [[] for _ in offsets]
         alone: list[float] = []
         for _ in range(repeats):
