@@ -607,35 +607,57 @@ def write_records(run: RunData, path: Path) -> None:
             out.write(json.dumps(dataclasses.asdict(rec), separators=(",", ":")) + "\n")
 
 
-def run_reps(sc: Scenario, system: str, quick: bool, seed: int, seeds: int, workdir: Path,
-             backend: Backend, records_dir: Path | None = None
-             ) -> tuple[list[tuple[RunData | None, dict[str, Any]]], list[dict[str, Any]]]:
-    """`seeds` runs of one system: repetition k builds the workload of `set_workload_rep(k)` (other arrivals of
-    the same shape) and seeds the simulators and clients with seed + k. Returns every run with its info (a run
-    whose metrics failed: its info's error) and the metrics of those that produced them. `records_dir`: each
-    run's attempts go to `{scenario}-{system}-seed{seed}.jsonl` there (`write_records`)."""
-    done: list[tuple[RunData | None, dict[str, Any]]] = []
-    metrics: list[dict[str, Any]] = []
+Reps = tuple[list[tuple[RunData | None, dict[str, Any]]], list[dict[str, Any]]]
+
+
+def system_order(systems: list[str], turn: int) -> list[str]:
+    """`systems` rotated left by `turn`: the order in which one repetition of one scenario runs them.
+
+    The systems of a scenario run one after another on the same replicas, and this shared machine changes speed
+    within minutes (real engines: one 4,000-token prompt took 0.19 s and 0.29 s a minute apart; the probe before
+    each run, `diagnostics.engine_probe_s`, moved up to 1.47x between the systems of one scenario). Rotating the
+    order from one scenario and one repetition to the next gives no system the same place every time."""
+    if not systems:
+        return []
+    k = turn % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def run_reps(sc: Scenario, systems: list[str], quick: bool, seed: int, seeds: int, workdir: Path,
+             backend: Backend, records_dir: Path | None = None, turn: int = 0,
+             verbose: bool = False) -> dict[str, Reps]:
+    """`seeds` repetitions of every system, repetition by repetition: each repetition runs every system once,
+    in `system_order(systems, turn + k)`, so each repetition compares the systems within a few minutes.
+    Repetition k builds the workload of `set_workload_rep(k)` (other arrivals of the same shape) and seeds the
+    simulators and clients with seed + k. Returns, per system, every run with its info (a run whose metrics
+    failed: its info's error) and the metrics of those that produced them. `records_dir`: each run's attempts
+    go to `{scenario}-{system}-seed{seed}.jsonl` there (`write_records`)."""
+    out: dict[str, Reps] = {system: ([], []) for system in systems}
     try:
         for k in range(max(1, seeds)):
             set_workload_rep(k)
-            if sc.systems:
-                run, info = sc.run_system(system, quick, seed + k, workdir, backend)
-            else:
-                run, info = run_one(sc, system, quick, seed + k, workdir, backend)
-            done.append((run, info))
-            if run is None:
-                continue
-            if records_dir is not None:
-                write_records(run, records_dir / f"{sc.id}-{system}-seed{seed + k}.jsonl")
-            try:
-                metrics.append({**sc.slo(run), **sc.metrics(run), **gateway_cpu(run), "diagnostics": diagnostics(run)})
-            except Exception as exc:  # noqa: BLE001 - the other repetitions still count
-                traceback.print_exc()
-                info["error"] = f"metrics failed: {exc}"
+            for system in system_order(systems, turn + k):
+                done, metrics = out[system]
+                if verbose:
+                    print(f"[{sc.id}] {system}{f' (seed {seed + k})' if seeds > 1 else ''} ...", flush=True)
+                if sc.systems:
+                    run, info = sc.run_system(system, quick, seed + k, workdir, backend)
+                else:
+                    run, info = run_one(sc, system, quick, seed + k, workdir, backend)
+                done.append((run, info))
+                if run is None:
+                    continue
+                if records_dir is not None:
+                    write_records(run, records_dir / f"{sc.id}-{system}-seed{seed + k}.jsonl")
+                try:
+                    metrics.append({**sc.slo(run), **sc.metrics(run), **gateway_cpu(run),
+                                    "diagnostics": diagnostics(run)})
+                except Exception as exc:  # noqa: BLE001 - the other repetitions still count
+                    traceback.print_exc()
+                    info["error"] = f"metrics failed: {exc}"
     finally:
         set_workload_rep(0)
-    return done, metrics
+    return out
 
 
 def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, seed: int = 1,
@@ -667,6 +689,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "preset": preset_meta()}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
+    turn = 0  # the place of the first system in the next scenario's order (`system_order`)
     try:
         for sc in scenarios:
             if not backend.supports(sc):
@@ -676,10 +699,12 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
             out[sc.id] = {}
             runs: dict[str, RunData] = {}
             meta["time_scale"][sc.id] = sc.time_scale
-            for system in sc.systems or systems:
-                if verbose:
-                    print(f"[{sc.id}] {system} ...", flush=True)
-                done, reps = run_reps(sc, system, quick, seed, seeds, workdir, backend, records_dir)
+            scenario_systems = list(sc.systems or systems)
+            by_system = run_reps(sc, scenario_systems, quick, seed, seeds, workdir, backend, records_dir, turn,
+                                 verbose)
+            turn += 1
+            for system in scenario_systems:
+                done, reps = by_system[system]
                 run, info = next(((r, i) for r, i in reversed(done) if r is not None), done[-1])
                 if seeds > 1:
                     info = {**info, "wall_s": round(sum(i.get("wall_s") or 0 for _r, i in done), 1),

@@ -82,6 +82,35 @@ def test_seeds_run_each_system_n_times_with_its_own_seed_and_workload(tmp_path: 
     assert "seeds=3" in report.header(out["_meta"])
 
 
+def test_each_repetition_runs_every_system_once_in_an_order_that_rotates(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """Seeds interleave: repetition k runs every system before repetition k + 1 starts, and the first system moves
+    one place per repetition and per scenario, so no system always runs first on a machine whose speed drifts."""
+    import bench.runner as runner
+
+    seen: list[tuple[str, str, int]] = []
+
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
+        seen.append((sc.id, system, seed))
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        run.records = [Record(user=0, attempt=0, sdk_attempt=0, kind="short", start=0.0, first_token=0.1, end=0.2,
+                              status=200, done=True)]
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    second = _Fake()
+    second.id = "P3b"
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    out = run_scenarios([_Fake(), second], ["sluice", "envoy-rr", "smg"], quick=True, seed=5, results_dir=tmp_path,
+                        plots=False, seeds=2)
+    assert seen == [("P3", "sluice", 5), ("P3", "envoy-rr", 5), ("P3", "smg", 5),
+                    ("P3", "envoy-rr", 6), ("P3", "smg", 6), ("P3", "sluice", 6),
+                    ("P3b", "envoy-rr", 5), ("P3b", "smg", 5), ("P3b", "sluice", 5),
+                    ("P3b", "smg", 6), ("P3b", "sluice", 6), ("P3b", "envoy-rr", 6)]
+    assert list(out["P3b"]) == ["sluice", "envoy-rr", "smg"]  # the tables keep the systems' order
+    assert all(out[sid][s]["reps"] == 2 for sid in ("P3", "P3b") for s in ("sluice", "envoy-rr", "smg"))
+    assert runner.system_order(["a", "b", "c"], 4) == ["b", "c", "a"] and runner.system_order([], 3) == []
+
+
 def test_the_cli_takes_seeds(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
