@@ -144,7 +144,6 @@ def engine_args(sc: Scenario) -> tuple[int | None, int | None]:
 WARM_UP_PROMPTS = (500, 800, 1000, 300, 600, 900, 2000, 6000, 16000)
 WARM_UP_ROUNDS = 2
 PROBE_TOKENS = 4000  # the engine-speed probe before each system's run (`VllmBackend._probe`): two prefill chunks
-PROBE_FIRST_ID = 16  # token ids below this may be special tokens
 WARM_UP_HEADROOM = 256  # tokens kept free of a warm-up prompt in the context: the chat template and the reply
 
 
@@ -174,7 +173,7 @@ class VllmBackend:
         self.duty: dict[int, Any] = {}
         self.text_scale = 1.0
         self.context = vllm_cpu.MAX_POSITIONS  # tokens the engines hold per sequence: their max_model_len
-        self._probes = 0  # speed probes sent: each one's prompt starts elsewhere in the vocabulary
+        self._probes = 0  # speed probes sent: each one seeds its own random prompt
 
     def supports(self, sc: Scenario) -> bool:
         return sc.id in REAL_SCENARIOS
@@ -280,21 +279,17 @@ class VllmBackend:
         return probes
 
     async def _probe(self, session: aiohttp.ClientSession, addr: str) -> float:
-        """Seconds one idle engine takes to answer a PROBE_TOKENS-token prompt of fresh token ids with one token.
+        """One idle engine's TTFT for a PROBE_TOKENS-token prompt of random token ids, measured as the calibration
+        measures its `ttft_4000` row (`extproc.sim.measure.LiveEngine`).
 
         The systems of a scenario run one after another on the same engines, and this shared machine's engines
         change speed within minutes (on an Intel Xeon the same 4,000-token prompt took 0.19 s and 0.29 s a minute
         apart): the probe before each run shows whether two systems were compared at the same engine speed."""
-        ids = [PROBE_FIRST_ID + (self._probes * PROBE_TOKENS + i) % (self.vc.VOCAB - PROBE_FIRST_ID)
-               for i in range(PROBE_TOKENS)]
+        from extproc.sim.measure import LiveEngine
+
         self._probes += 1
-        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "ignore_eos": True}
-        start = time.perf_counter()
-        async with session.post(self._url(addr) + "/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=60)) as resp:
-            await resp.read()
-            resp.raise_for_status()
-        return round(time.perf_counter() - start, 4)
+        engine = LiveEngine(self._url(addr), session, model=MODEL, vocab=self.vc.VOCAB, seed=self._probes)
+        return round((await engine.stream(engine.prompt(PROBE_TOKENS), 1)).ttft, 4)
 
     async def state(self, session: aiohttp.ClientSession, addr: str, timeout: float = 1.0) -> dict[str, Any]:
         now = await self._raw(session, addr, max(timeout, 2.0))

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.backends import PROBE_TOKENS
 from bench.bars import BASELINES, real_bars
 from bench.report import fmt, metric_docs
 from bench.scenarios import get_scenarios
@@ -106,10 +107,11 @@ def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
 
 
 def speed_table(real: dict[str, Any]) -> str:
-    """Markdown: each system's engine-speed probe (`diagnostics.engine_probe_s`: one 4,000-token prefill per engine
-    just before the system's run, mean over the engines) per scenario, and the slowest over the fastest: a
-    comparison between systems is only as fair as that spread is small. Empty when no run has probes."""
-    systems = [s for s in (*BASELINES, "sluice")]
+    """Markdown: each system's engine-speed probe (`diagnostics.engine_probe_s`: one prompt's TTFT per engine just
+    before the system's run, `bench.backends.VllmBackend._probe`, mean over the engines) per scenario, and the
+    slowest over the fastest: a comparison between systems is only as fair as that spread is small. Empty when no
+    run has probes."""
+    systems = [*BASELINES, "sluice"]
     lines = []
     for sid in (k for k in real if not k.startswith("_")):
         probes = {s: ((real[sid].get(s) or {}).get("diagnostics") or {}).get("engine_probe_s") for s in systems}
@@ -120,8 +122,8 @@ def speed_table(real: dict[str, Any]) -> str:
     if not lines:
         return ""
     head = ["| scenario | " + " | ".join(systems) + " | slowest / fastest |", "|---|" + "---|" * (len(systems) + 1)]
-    return ("\nThe engines' speed before each system's run (seconds for one 4,000-token prompt, mean of the two "
-            "engines; `diagnostics.engine_probe_s`):\n\n" + "\n".join(head + lines) + "\n")
+    return (f"\nThe engines' speed before each system's run (TTFT in seconds of one {PROBE_TOKENS:,}-token prompt, "
+            "mean of the two engines; `diagnostics.engine_probe_s`):\n\n" + "\n".join(head + lines) + "\n")
 
 
 def bars_table(real: dict[str, Any]) -> str:
