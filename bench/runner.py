@@ -429,6 +429,15 @@ def gateway_cpu(run: RunData) -> dict[str, float]:
     return {"gateway_cpu_s": round(sum(parts.values()), 2)} if parts else {}
 
 
+def engine_probe(run: RunData) -> dict[str, float]:
+    """`engine_probe_s`: the real engines' mean TTFT for one probe prompt just before this run
+    (`VllmBackend._probe`; each engine's under `diagnostics.engine_probe_s`). A number beside the metrics, so that
+    `--seeds N` keeps one per repetition (`combine_reps`: `per_rep`) and a comparison can show how fast the
+    engines were for each system in each repetition."""
+    probes = run.extra.get("engine_probe_s")
+    return {"engine_probe_s": round(sum(probes.values()) / len(probes), 4)} if probes else {}
+
+
 def diagnostics(run: RunData) -> dict[str, Any]:
     out: dict[str, Any] = {}
     text = run.extra.get("sidecar_prom_text")
@@ -650,7 +659,7 @@ def run_reps(sc: Scenario, systems: list[str], quick: bool, seed: int, seeds: in
                 if records_dir is not None:
                     write_records(run, records_dir / f"{sc.id}-{system}-seed{seed + k}.jsonl")
                 try:
-                    metrics.append({**sc.slo(run), **sc.metrics(run), **gateway_cpu(run),
+                    metrics.append({**sc.slo(run), **sc.metrics(run), **gateway_cpu(run), **engine_probe(run),
                                     "diagnostics": diagnostics(run)})
                 except Exception as exc:  # noqa: BLE001 - the other repetitions still count
                     traceback.print_exc()

@@ -156,6 +156,27 @@ def test_the_section_shows_each_systems_engine_speed_and_their_spread():
     assert "slowest / fastest" not in without  # the simulator's runs have no probe
 
 
+def test_a_seeded_section_shows_each_repetition_and_the_spread_per_repetition():
+    """With `--seeds N` a cell is the median with every repetition in brackets, the probe table shows each
+    repetition's speed and the slowest over the fastest system within each repetition (not across them), and
+    the bars judge the medians."""
+    def seeded(goodputs: list[float], probes: list[float]) -> dict:
+        return {"slo_goodput_rps": sorted(goodputs)[1], "hol_slowdown": 1.0, "engine_probe_s": sorted(probes)[1],
+                "reps": 3, "per_rep": [{"slo_goodput_rps": g, "hol_slowdown": 1.0, "engine_probe_s": p}
+                                       for g, p in zip(goodputs, probes)]}
+    rows = {"sluice": seeded([7.0, 5.0, 6.0], [0.3, 0.2, 0.25]), "envoy-rr": seeded([4.0, 8.0, 5.0], [0.2, 0.2, 0.2])}
+    text = section(merge([_run("P3", "abc", rows)]), merge([_run("P3", "abc", rows)]))
+    assert "median of 3 repetitions" in text
+    goodput = next(ln for ln in text.splitlines() if ln.startswith("| P3 | `slo_goodput_rps`"))
+    assert "| 6 [7, 5, 6] |" in goodput and "| 5 [4, 8, 5] |" in goodput
+    assert "6 vs 5: sluice" in goodput  # the medians decide
+    speed = next(ln for ln in text.splitlines() if ln.startswith("| P3 |") and "slowest" not in ln
+                 and "[0.3, 0.2, 0.25]" in ln)
+    assert speed.endswith("| 1.50, 1.00, 1.25 |")  # per repetition, not the slowest run over the fastest run
+    assert "median of" not in section(merge([_run("P3", "abc", {"sluice": {"slo_goodput_rps": 1.0}})]),
+                                      merge([_run("P3", "abc", {"sluice": {"slo_goodput_rps": 1.0}})]))
+
+
 async def test_the_real_backend_times_one_prefill_per_engine_before_each_run(tmp_path: Path):
     """`begin_run` returns each replica's probe: one PROBE_TOKENS-token prompt, answered with one token (a
     simulator stands in for the engine here; the probe only needs the OpenAI completions API and /metrics)."""

@@ -171,3 +171,26 @@ def test_every_run_reports_its_gateways_cpu(tmp_path: Path, monkeypatch: pytest.
     assert out["P3"]["sluice"]["gateway_cpu_s"] == 0.75 and out["P3"]["envoy-rr"]["gateway_cpu_s"] == 0.4
     assert out["P3"]["sluice"]["diagnostics"]["gateway_cpu_s"] == {"envoy": 0.5, "sidecar": 0.25}
     assert "| `gateway_cpu_s` (s) | 0.4 | 0.75 | lower |" in (tmp_path / "P3.md").read_text()
+
+
+def test_each_repetition_keeps_its_engine_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`engine_probe_s` (the real engines' speed just before a run, mean of the engines) is a metric beside the
+    others, so a `--seeds N` run keeps one per repetition; a run without probes (the simulator) has none."""
+    speeds = iter([0.3, 0.2, 0.25, 0.4])
+
+    def fake_run_one(sc, system, quick, seed, workdir, backend=None):
+        run = RunData(scenario=sc.id, system=system, time_scale=1.0, replicas=["127.0.0.1:1"], duration=1.0)
+        run.records = [Record(user=0, attempt=0, sdk_attempt=0, kind="short", start=0.0, first_token=0.1, end=0.2,
+                              status=200, done=True)]
+        if system == "sluice":
+            speed = next(speeds)
+            run.extra["engine_probe_s"] = {"a": speed, "b": speed + 0.1}
+        return run, {"system": system, "notes": [], "wall_s": 0.1}
+
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    out = run_scenarios([_Fake()], ["sluice", "envoy-rr"], quick=True, seed=1, results_dir=tmp_path, plots=False,
+                        seeds=3)
+    sluice = out["P3"]["sluice"]
+    assert [rep["engine_probe_s"] for rep in sluice["per_rep"]] == [0.35, 0.25, 0.3]
+    assert sluice["engine_probe_s"] == 0.3 and sluice["diagnostics"]["engine_probe_s"] == {"a": 0.25, "b": 0.35}
+    assert "engine_probe_s" not in out["P3"]["envoy-rr"]
