@@ -334,6 +334,7 @@ def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str]
       slo_goodput_rps      user-level calls meeting the SLO / offered seconds (every arrival counts once,
                            whatever it cost in attempts; a shed call retried into success counts with its whole
                            latency);
+      offered_rps          user-level calls / offered seconds: the most any system's slo_goodput_rps can be;
       class_slo_goodput    the same per class (`class_of`), over the same offered seconds;
       class_ttft_p95_s     p95 of each class's TTFT from the first send, calls without a first token censored at
                            the time their user waited (a lower bound);
@@ -351,6 +352,7 @@ def slo_metrics(run: RunData, slo_ttft_s: float, class_of: Callable[[Call], str]
     n_good = sum(1 for cs in by_class.values() for c in cs if good(c))
     return {
         "slo_goodput_rps": rnd(n_good / span, 3),
+        "offered_rps": rnd(sum(len(cs) for cs in by_class.values()) / span, 3),
         "class_slo_goodput": {k: rnd(sum(1 for c in cs if good(c)) / span, 3) for k, cs in sorted(by_class.items())},
         "class_ttft_p95_s": {k: rnd(pct([c.waited * ts for c in cs], 95)) for k, cs in sorted(by_class.items())},
         "class_calls": {k: float(len(cs)) for k, cs in sorted(by_class.items())},

@@ -70,3 +70,27 @@ def test_pg_bar_compares_the_shared_setup_with_the_independent_one():
     judge = {(b.scenario, b.text): ok for b, ok, _ in evaluate({"PG": {"independent": {"ttft_p95_s": 0.89},
                                                                         "shared": {"ttft_p95_s": 0.88}}})}
     assert judge[("PG", bar)] is False
+
+
+def test_a_goodput_bar_above_what_the_scenario_offers_is_named_out_of_reach():
+    """When the best baseline serves more than 1/1.1 of the offered requests within the SLO, no system can be 1.1x
+    ahead of it: the bar stays not met, and its measurement says it is out of reach (with refused classes, over
+    the classes sluice does not refuse)."""
+    from bench.bars import honest_bars, out_of_reach, served_offered, table
+
+    full = {"sluice": {"slo_goodput_rps": 15.5, "offered_rps": 15.5, "refused_classes": []},
+            "envoy-tuned": {"slo_goodput_rps": 15.0}}
+    room = {"sluice": {"slo_goodput_rps": 11.0, "offered_rps": 20.0, "refused_classes": []},
+            "envoy-tuned": {"slo_goodput_rps": 10.5}}
+    refused = {"sluice": {"slo_goodput_rps": 9.0, "offered_rps": 20.0, "refused_classes": ["beyond"],
+                          "class_calls": {"kept": 90.0, "beyond": 110.0},
+                          "class_slo_goodput": {"kept": 8.5, "beyond": 0.5}},
+               "envoy-rr": {"slo_goodput_rps": 12.0, "class_slo_goodput": {"kept": 8.4, "beyond": 3.6}}}
+    assert out_of_reach(full) and not out_of_reach(room)
+    assert served_offered(refused) == 9.0 and out_of_reach(refused)  # 1.1 x 8.4 > 9 offered in "kept"
+    assert not out_of_reach({"sluice": {"slo_goodput_rps": 1.0}, "envoy-rr": {"slo_goodput_rps": 1.0}})  # no offer
+    results = {"P7": full, "P2": room, "_meta": {}}
+    shown = {sid: (ok, m) for sid, text, ok, m in honest_bars(results) if text.startswith("sluice slo_goodput")}
+    assert shown["P7"][0] is False and "out of reach" in shown["P7"][1] and "offered 15.5" in shown["P7"][1]
+    assert shown["P2"][0] is False and "out of reach" not in shown["P2"][1]
+    assert "of the goodput bars not met (P7) are out of reach" in table(results)

@@ -327,6 +327,7 @@ def test_json_layout_and_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     rr = out["P3"]["envoy-rr"]
     assert rr["hol_slowdown"] == 2.0 and rr["detect_s"] is None
     assert rr["slo_goodput_rps"] == 1.0 and rr["class_slo_goodput"] == {"short": 1.0}   # 1 call in 1 s, 0.1 s TTFT
+    assert rr["offered_rps"] == 1.0
     assert out["P3"]["sluice"]["worst_class_ratio"] == 1.0 and out["P3"]["sluice"]["worst_class"] == "short"
     assert out["_meta"]["sluice_policy"]["P3"] == {"admission": {"ttft_target_s": 2.0}}
     assert out["_meta"]["reproduced"] == {"P3": False}

@@ -35,3 +35,14 @@ def test_the_published_pages_carry_the_markers() -> None:
     for name in ("README.md", "docs/benchmarks.md"):
         text = (root / name).read_text()
         assert text.count(report.RESULTS_BEGIN) == 1 and text.count(report.RESULTS_END) == 1, name
+
+
+def test_the_block_shows_what_each_scenario_offered_and_which_bars_are_out_of_reach() -> None:
+    """The offered rate is every goodput's ceiling: it is the second column, and a goodput bar that asks for more
+    than is offered is named out of reach under the table."""
+    result = {"P7": {"sluice": {"slo_goodput_rps": 15.5, "offered_rps": 15.5, "refused_classes": []},
+                     "envoy-tuned": {"slo_goodput_rps": 15.5}},
+              "_meta": {"systems": ["envoy-tuned", "sluice"], "commit": "abc"}}
+    block = report.results_block(result)
+    assert "| scenario | offered | envoy-tuned | sluice |" in block and "\n| P7 | 15.5 | 15.5 | 15.5 | 1.00x |" in block
+    assert "The goodput bars of P7 are out of reach at their load" in block
