@@ -202,3 +202,19 @@ async def test_the_real_backend_times_one_prefill_per_engine_before_each_run(tmp
         assert b.base[addr]["running"] == 0  # the counters' base is taken after the probe
     finally:
         await sim.stop()
+
+
+def test_a_seeded_runs_bars_say_in_how_many_repetitions_they_held():
+    """The bars judge the medians, and each says how many repetitions met it on their own numbers."""
+    from bench.bars import real_bars
+
+    def seeded(**per: list[float]) -> dict:
+        keys = list(per)
+        reps = [dict(zip(keys, vals)) for vals in zip(*per.values())]
+        return {**{k: sorted(v)[1] for k, v in per.items()}, "reps": 3, "per_rep": reps}
+    results = {"P3": {"sluice": seeded(hol_slowdown=[1.0, 5.0, 1.5], slo_goodput_rps=[6.0, 6.0, 4.0]),
+                      "envoy-rr": seeded(hol_slowdown=[9.0, 6.0, 2.0], slo_goodput_rps=[5.0, 5.0, 5.0])}}
+    bars = {text.split(" ")[1]: (ok, shown) for sid, text, ok, shown in real_bars(results) if sid == "P3"}
+    assert bars["hol_slowdown"][0] is True and bars["hol_slowdown"][1].endswith("(met in 1 of 3 repetitions)")
+    assert bars["slo_goodput_rps"][0] is True and bars["slo_goodput_rps"][1].endswith("(met in 2 of 3 repetitions)")
+    assert "repetitions" not in real_bars({"P3": {"sluice": {"hol_slowdown": 1.0}, "envoy-rr": {"hol_slowdown": 3.0}}})[0][3]
