@@ -1,6 +1,7 @@
 """The real-engine results: batches merge into one file, the sim-vs-real table flags a disagreement, and issue
 16's bars judge the 2x margin and the goodput floor."""
 
+import json
 import os
 from pathlib import Path
 
@@ -219,3 +220,21 @@ def test_a_seeded_runs_bars_say_in_how_many_repetitions_they_held():
     assert bars["slo_goodput_rps"][0] is True and bars["slo_goodput_rps"][1].endswith("(met in 2 of 3 repetitions)")
     single = {"P3": {"sluice": {"hol_slowdown": 1.0}, "envoy-rr": {"hol_slowdown": 3.0}}}
     assert "repetitions" not in real_bars(single)[0][3]
+
+
+def test_the_brief_for_the_readme_names_the_runs_and_the_bars(tmp_path: Path):
+    from bench.real import BRIEF, main, markers
+
+    rows = {"sluice": {"slo_goodput_rps": 2.0, "hol_slowdown": 1.0}, "envoy-rr": {"slo_goodput_rps": 1.0,
+                                                                                   "hol_slowdown": 5.0}}
+    real, sim, docs, readme = (tmp_path / n for n in ("real.json", "sim.json", "docs.md", "README.md"))
+    real.write_text(json.dumps(merge([_run("P3", "abc", rows)])))
+    sim.write_text(json.dumps(merge([_run("P3", "abc", rows)])))
+    docs.write_text("# docs\n")
+    begin, end = markers(BRIEF)
+    readme.write_text(f"# sluice\n\n{begin}\nold\n{end}\n\nmore\n")
+    assert main(["docs", str(real), str(sim), "--docs", str(docs), "--brief", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{end}\n\nmore\n") and "at commit `abc`" in text
+    assert ("| P3 | sluice hol_slowdown beats the best baseline's by >= 2x | sluice 1, best baseline envoy-rr 5 "
+            "| met |") in text
