@@ -588,8 +588,9 @@ def _is_number(v: Any) -> bool:
 def combine_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's metrics over repetitions (`--seeds N`): each numeric metric is the median of the repetitions
     that produced it (statistics.median: the middle value, or the mean of the two middle ones), `spread` holds
-    [min, max] per numeric metric, `per_rep` every repetition's numbers, `reps` their count; other values (per
-    class dicts, diagnostics) are the last repetition's. One repetition is returned unchanged."""
+    [min, max] per numeric metric, `per_rep` every repetition's numbers, `per_rep_class_slo_goodput` every
+    repetition's class goodputs (to judge the per-class bars repetition by repetition), `reps` their count; other
+    values (per class dicts, diagnostics) are the last repetition's. One repetition is returned unchanged."""
     if len(reps) == 1:
         return reps[0]
     out: dict[str, Any] = dict(reps[-1])
@@ -602,6 +603,7 @@ def combine_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
             spread[k] = [min(vals), max(vals)]
     out["spread"] = spread
     out["per_rep"] = [{k: m.get(k) for k in spread} for m in reps]
+    out["per_rep_class_slo_goodput"] = [m.get("class_slo_goodput") for m in reps]
     out["reps"] = len(reps)
     return out
 

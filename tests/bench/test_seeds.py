@@ -3,6 +3,7 @@ medians with their [min, max]."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -194,3 +195,38 @@ def test_each_repetition_keeps_its_engine_probe(tmp_path: Path, monkeypatch: pyt
     assert [rep["engine_probe_s"] for rep in sluice["per_rep"]] == [0.35, 0.25, 0.3]
     assert sluice["engine_probe_s"] == 0.3 and sluice["diagnostics"]["engine_probe_s"] == {"a": 0.25, "b": 0.35}
     assert "engine_probe_s" not in out["P3"]["envoy-rr"]
+
+
+def test_combine_reps_keeps_each_repetitions_class_goodputs():
+    reps = [{"slo_goodput_rps": 1.0, "class_slo_goodput": {"a": 1.0}},
+            {"slo_goodput_rps": 2.0, "class_slo_goodput": {"a": 2.0}}]
+    assert combine_reps(reps)["per_rep_class_slo_goodput"] == [{"a": 1.0}, {"a": 2.0}]
+
+
+def test_the_seeds_report_judges_each_repetition_on_its_own_numbers(tmp_path: Path):
+    """Each repetition's ratio and worst class come from that repetition's systems (not the medians), the counts
+    say how many reach the bars, and a scenario whose own bar stands is shown but not counted."""
+    from bench.seeds_report import MARKERS, main, table
+    from bench.real import markers
+
+    def system(goodputs: list[float], classes: list[dict], offered: float = 10.0) -> dict:
+        return {"slo_goodput_rps": sorted(goodputs)[len(goodputs) // 2], "offered_rps": offered,
+                "refused_classes": [], "per_rep": [{"slo_goodput_rps": g, "offered_rps": offered} for g in goodputs],
+                "per_rep_class_slo_goodput": classes}
+    row = {"sluice": system([6.0, 5.0, 4.0], [{"a": 3.0, "b": 3.0}, {"a": 2.0, "b": 3.0}, {"a": 2.0, "b": 2.0}]),
+           "envoy-rr": system([4.0, 5.0, 5.0], [{"a": 2.0, "b": 2.0}, {"a": 2.5, "b": 2.5}, {"a": 2.5, "b": 2.5}])}
+    result = {"P3": row, "P12": row, "_meta": {"command": "sluice bench run all --quick --seeds 3", "commit": "abc",
+                                               "seeds": 3}}
+    text = table(result)
+    p3 = next(ln for ln in text.splitlines() if ln.startswith("| P3 |"))
+    assert "| 5 [6, 5, 4] |" in p3 and "| 5 [4, 5, 5] |" in p3
+    assert "| 1.5, 1, 0.8 | 1 of 3 |" in p3                    # 6/4, 5/5, 4/5: each repetition's own best
+    assert "| 1.5, 0.8, 0.8 | 1 of 3 |" in p3                   # worst class: a 3/2, then a 2/2.5 twice
+    assert "| own bar |" in next(ln for ln in text.splitlines() if ln.startswith("| P12 |"))
+    docs = tmp_path / "docs.md"
+    begin, end = markers(MARKERS)
+    docs.write_text(f"# b\n\n{begin}\nold\n{end}\n")
+    src = tmp_path / "seeds.json"
+    src.write_text(json.dumps(result))
+    assert main([str(src), "--docs", str(docs)]) == 0
+    assert "old" not in docs.read_text() and "at commit `abc`" in docs.read_text()
