@@ -63,7 +63,8 @@ def worst(rep: dict[str, Any]) -> float | None:
 
 def _goodput(m: dict[str, Any]) -> str:
     per = [r.get("slo_goodput_rps") for r in m.get("per_rep") or []]
-    return f"{fmt(m.get('slo_goodput_rps'))} [{', '.join(fmt(v) for v in per)}]" if per else fmt(m.get("slo_goodput_rps"))
+    median = fmt(m.get("slo_goodput_rps"))
+    return f"{median} [{', '.join(fmt(v) for v in per)}]" if per else median
 
 
 def _count(values: list[float | None], bar: float) -> str:
