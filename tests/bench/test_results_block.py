@@ -46,3 +46,10 @@ def test_the_block_shows_what_each_scenario_offered_and_which_bars_are_out_of_re
     block = report.results_block(result)
     assert "| scenario | offered | envoy-tuned | sluice |" in block and "\n| P7 | 15.5 | 15.5 | 15.5 | 1.00x |" in block
     assert "The goodput bars of P7 are out of reach at their load" in block
+
+
+def test_the_offered_column_names_sluices_own_offer_where_closed_loop_clients_offer_less() -> None:
+    result = {"P11": {"sluice": {"slo_goodput_rps": 9.5, "offered_rps": 10.2, "refused_classes": []},
+                      "envoy-rr": {"slo_goodput_rps": 18.4, "offered_rps": 19.5}},
+              "_meta": {"systems": ["envoy-rr", "sluice"], "commit": "abc"}}
+    assert "\n| P11 | 19.5 (sluice 10.2) | 18.4 | 9.5 |" in report.results_block(result)
