@@ -106,8 +106,9 @@ def served_goodput(row: Row, system: str) -> float | None:
 
 
 def served_offered(row: Row) -> float | None:
-    """The requests offered per second over the classes sluice does not refuse by design: the ceiling of
-    `served_goodput` (the workload is the same for every system; sluice's run counts it)."""
+    """The requests sluice's run offered per second over the classes it does not refuse by design: the ceiling of
+    its `served_goodput` (open-loop arrivals are the same for every system; closed-loop clients, such as sessions
+    that end at a refused turn, offer what their own system's answers lead them to)."""
     m = row.get("sluice") or {}
     offered = m.get("offered_rps")
     refused = set(m.get("refused_classes") or [])

@@ -18,7 +18,7 @@ SYSTEM_ORDER = ("envoy-rr", "envoy-tuned", "smg", "sluice")
 COMMON = (  # every scenario's whole-cost metrics (bench/scenarios/base.py: slo_metrics, worst_class_ratio)
     ("slo_goodput_rps", "user requests meeting the scenario's SLO (first token within the SLO from the first send, "
                         "retries included, and completed) per second of offered load", "req/s", "higher"),
-    ("offered_rps", "user requests offered per second (every arrival once, whatever its attempts): the most any "
+    ("offered_rps", "user requests offered per second (every arrival once, whatever its attempts): the most this "
                     "system's slo_goodput_rps can be", "req/s", ""),
     ("worst_class_ratio", "sluice only: min over classes of its class SLO goodput / the best baseline's "
                           "(refused-by-design classes left out)", "x", "higher"),
