@@ -119,18 +119,21 @@ def served_offered(row: Row) -> float | None:
     return round(offered * sum(n for c, n in calls.items() if c not in refused) / total, 3) if total else None
 
 
+def best_served(row: Row) -> float | None:
+    """The best baseline's `served_goodput` in this row (None when no baseline has one)."""
+    return max([v for v in (served_goodput(row, b) for b in BASELINES if b in row) if v is not None], default=None)
+
+
 def out_of_reach(row: Row) -> bool:
     """The goodput margin asks for more than the scenario offers: the best baseline already serves more than
     1 / GOODPUT_MARGIN of the offered requests within the SLO, so no system could be GOODPUT_MARGIN x ahead of
     it at this load (the scenario would need more load, or a problem the baseline does not solve)."""
-    offered = served_offered(row)
-    best = max([v for v in (served_goodput(row, b) for b in BASELINES if b in row) if v is not None], default=None)
+    offered, best = served_offered(row), best_served(row)
     return _all(offered, best) and GOODPUT_MARGIN * best > offered
 
 
 def _goodput_check(r: Row) -> bool | None:
-    mine = served_goodput(r, "sluice")
-    best = max([v for v in (served_goodput(r, b) for b in BASELINES if b in r) if v is not None], default=None)
+    mine, best = served_goodput(r, "sluice"), best_served(r)
     return mine >= GOODPUT_MARGIN * best if _all(mine, best) else None
 
 
@@ -205,7 +208,7 @@ def real_bars(results: dict[str, Any]) -> list[tuple[str, str, bool | None, str]
     slo_goodput_rps >= the best baseline's. A `--seeds N` run is judged on its medians, and each bar also says in
     how many repetitions it held on that repetition's own numbers."""
     bars = _real_bars_once(results)
-    reps = [r for r in (_repetition(results, k) for k in range(_reps(results))) if r is not None]
+    reps = [r for r in (_repetition(results, k) for k in range(repetitions(results))) if r is not None]
     if len(reps) < 2:
         return bars
     per_rep = [_real_bars_once(r) for r in reps]
@@ -214,23 +217,31 @@ def real_bars(results: dict[str, Any]) -> list[tuple[str, str, bool | None, str]
             for i, (sid, text, ok, shown) in enumerate(bars)]
 
 
-def _reps(results: dict[str, Any]) -> int:
+def repetitions(results: dict[str, Any]) -> int:
+    """How many repetitions (`--seeds N`) the results' runs have: 1 for single runs."""
     return max((len((m or {}).get("per_rep") or []) for sid, row in results.items() if not sid.startswith("_")
-                for m in row.values() if isinstance(m, dict)), default=0)
+                for m in row.values() if isinstance(m, dict)), default=0) or 1
+
+
+def repetition(row: Row, k: int) -> Row | None:
+    """Repetition k of one scenario's `--seeds N` run as a run of its own: each system's numbers (`per_rep[k]`) and
+    class goodputs (`per_rep_class_slo_goodput[k]`), with sluice's refused classes; None when a system lacks it."""
+    out: Row = {}
+    for system, m in row.items():
+        if not isinstance(m, dict):
+            continue
+        per = m.get("per_rep") or []
+        if len(per) <= k:
+            return None
+        classes = (m.get("per_rep_class_slo_goodput") or [None] * (k + 1))[k]
+        out[system] = {**per[k], "class_slo_goodput": classes, "refused_classes": m.get("refused_classes") or []}
+    return out or None
 
 
 def _repetition(results: dict[str, Any], k: int) -> dict[str, Any] | None:
-    """Repetition k of a `--seeds N` run as a run of its own (each system's `per_rep[k]`), or None when a system
-    lacks it."""
-    out: dict[str, Any] = {}
-    for sid, row in results.items():
-        if sid.startswith("_") or sid not in REAL_HEADLINES:
-            continue
-        per = {s: (m or {}).get("per_rep") or [] for s, m in row.items() if isinstance(m, dict)}
-        if not per or any(len(p) <= k for p in per.values()):
-            return None
-        out[sid] = {s: p[k] for s, p in per.items()}
-    return out
+    """Repetition k of the real-engine scenarios (REAL_HEADLINES), or None when one of them lacks it."""
+    out = {sid: repetition(row, k) for sid, row in results.items() if sid in REAL_HEADLINES}
+    return None if any(r is None for r in out.values()) else out
 
 
 def _real_bars_once(results: dict[str, Any]) -> list[tuple[str, str, bool | None, str]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.backends import PROBE_TOKENS
-from bench.bars import BASELINES, real_bars
+from bench.bars import BASELINES, real_bars, repetitions
 from bench.report import fmt, metric_docs
 from bench.scenarios import get_scenarios
 
@@ -80,12 +80,6 @@ def winner(row: dict[str, Any], key: str, better: str) -> tuple[str | None, floa
         return "tie", mine, best
     sluice_wins = mine < best if better == "lower" else mine > best
     return ("sluice" if sluice_wins else "baseline"), mine, best
-
-
-def repetitions(results: dict[str, Any]) -> int:
-    """How many repetitions (`--seeds N`) the results' runs have: 1 for single runs."""
-    return max((int((row.get(s) or {}).get("reps") or 1) for sid, row in results.items() if not sid.startswith("_")
-                for s in (*BASELINES, "sluice")), default=1)
 
 
 def per_rep(metrics: dict[str, Any], key: str) -> list[Any]:

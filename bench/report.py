@@ -286,7 +286,7 @@ def overview(result: dict[str, Any], scenarios: list[Scenario]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _offered(row: dict[str, Any]) -> str:
+def offered_cell(row: dict[str, Any]) -> str:
     """The most user requests any system's run offered per second, and sluice's own where it differs: closed-loop
     clients (P11's agents past their budget, PX's sessions, which end at a refused turn) offer more where they are
     served, so sluice's goodput is bounded by its own run's offer."""
@@ -323,7 +323,7 @@ def goodput_table(result: dict[str, Any]) -> str:
         worst = f"{fmt(sl.get('worst_class_ratio'))} ({sl.get('worst_class') or '-'})"
         rep = (meta.get("reproduced") or {}).get(sid)
         tuned = ((meta.get("reproduced_by") or {}).get(sid) or {}).get("envoy-tuned")
-        offered = _offered(row)
+        offered = offered_cell(row)
         lines.append(f"| {sid} | {offered} | " + " | ".join(fmt(vals[s]) for s in systems) + f" | {rel} | {worst} | "
                      f"{'yes' if rep else ('no' if rep is not None else 'not run')} | "
                      f"{'not run' if tuned is None else ('yes' if tuned[0] else 'no')} |")

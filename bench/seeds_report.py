@@ -7,7 +7,7 @@ machine a single quick run moves by a request or two per class. This table shows
 over N repetitions of `sluice bench run all --quick --seeds N` (repetition k replays another workload of the same
 shape, every system once before repetition k + 1). Per scenario:
 
-    offered               user requests offered per second (the median over the repetitions)
+    offered               user requests offered per second (the median over the repetitions; `report.offered_cell`)
     system columns        each system's SLO goodput: the median, then each repetition's value
     ratio_k               sluice's goodput / the best baseline's, both from repetition k (over the classes sluice
                           does not refuse by design: `bars.served_goodput`)
@@ -26,9 +26,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.bars import BASELINES, GOODPUT_MARGIN, OWN_HEADLINE, served_goodput
-from bench.real import markers, write_docs
-from bench.report import fmt
+from bench.bars import BASELINES, GOODPUT_MARGIN, OWN_HEADLINE, best_served, repetition, repetitions, served_goodput
+from bench.real import cell, markers, write_docs
+from bench.report import fmt, offered_cell
 from bench.scenarios.base import worst_class_ratio
 
 MARKERS = "results-seeds"
@@ -36,22 +36,9 @@ WORST_CLASS_BAR = 0.9
 SYSTEMS = (*BASELINES, "sluice")
 
 
-def repetition(row: dict[str, Any], k: int) -> dict[str, Any]:
-    """Repetition k of one scenario's systems: each system's numbers and class goodputs from that repetition."""
-    out = {}
-    for system, m in row.items():
-        if not isinstance(m, dict) or not m.get("per_rep") or len(m["per_rep"]) <= k:
-            continue
-        classes = (m.get("per_rep_class_slo_goodput") or [None] * (k + 1))[k]
-        out[system] = {**m["per_rep"][k], "class_slo_goodput": classes,
-                       "refused_classes": m.get("refused_classes") or []}
-    return out
-
-
 def ratio(rep: dict[str, Any]) -> float | None:
     """sluice's goodput over the best baseline's in one repetition (None when either is missing or the best is 0)."""
-    mine = served_goodput(rep, "sluice")
-    best = max([v for v in (served_goodput(rep, b) for b in BASELINES if b in rep) if v is not None], default=None)
+    mine, best = served_goodput(rep, "sluice"), best_served(rep)
     return round(mine / best, 2) if mine is not None and best else None
 
 
@@ -59,12 +46,6 @@ def worst(rep: dict[str, Any]) -> float | None:
     refused = (rep.get("sluice") or {}).get("refused_classes") or []
     value, _cls = worst_class_ratio(rep, refused)
     return value
-
-
-def _goodput(m: dict[str, Any]) -> str:
-    per = [r.get("slo_goodput_rps") for r in m.get("per_rep") or []]
-    median = fmt(m.get("slo_goodput_rps"))
-    return f"{median} [{', '.join(fmt(v) for v in per)}]" if per else median
 
 
 def _count(values: list[float | None], bar: float) -> str:
@@ -79,14 +60,13 @@ def table(result: dict[str, Any]) -> str:
     for sid, row in result.items():
         if sid.startswith("_") or "sluice" not in row:
             continue
-        n = max(len((m or {}).get("per_rep") or []) for m in row.values())
-        reps = [repetition(row, k) for k in range(n)]
+        reps = [r for r in (repetition(row, k) for k in range(repetitions({sid: row}))) if r is not None]
         ratios, worsts = [ratio(r) for r in reps], [worst(r) for r in reps]
         refused = (row.get("sluice") or {}).get("refused_classes") or []
         judged_goodput = "own bar" if sid in OWN_HEADLINE else _count(ratios, GOODPUT_MARGIN)
         judged_worst = "refused class" if refused else _count(worsts, WORST_CLASS_BAR)
-        lines.append(f"| {sid} | {fmt((row.get('sluice') or {}).get('offered_rps'))} | "
-                     + " | ".join(_goodput(row.get(s) or {}) for s in SYSTEMS)
+        lines.append(f"| {sid} | {offered_cell(row)} | "
+                     + " | ".join(cell(row.get(s) or {}, "slo_goodput_rps") for s in SYSTEMS)
                      + f" | {', '.join(fmt(v) for v in ratios)} | {judged_goodput} | "
                      f"{', '.join(fmt(v) for v in worsts)} | {judged_worst} |")
     return "\n".join(lines) + "\n"
