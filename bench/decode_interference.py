@@ -18,10 +18,9 @@ window is the run's: the last arrival plus the drain.
 
 What it shows (bench/results/decode-interference.json, docs/benchmarks.md): vLLM's scheduler (and the simulator's)
 packs a step with every running request's next decode token and then prefill chunks up to
-`max_num_batched_tokens`, so while prompts wait to be prefilled, every decode advances one token per long step
-(a 2,048-token chunk of a 5,500-token prompt: about 0.25 s, against 0.02 s for a decode-only step). A request
-whose first token comes in time then takes about 12 s for its 48 tokens, and the quick run's window (4 s after
-the last arrival) ends first. A gate on predicted prefill alone, at the SLO's 8 s, keeps that interference:
+`max_num_batched_tokens`, so while prompts wait to be prefilled, every decode advances one token per step that
+also prefills a whole chunk. A request whose first token comes in time then takes many seconds for its 48 tokens,
+and the quick run's window (4 s after the last arrival) ends first. A gate on predicted prefill alone, at the SLO's 8 s, keeps that interference:
 only a gate that leaves the decodes room (a smaller prefill backlog, or fewer requests in flight) completes them.
 
     python -m bench.decode_interference [--json FILE]
