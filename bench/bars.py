@@ -245,9 +245,12 @@ def _repetition(results: dict[str, Any], k: int) -> dict[str, Any] | None:
 
 
 def _real_bars_once(results: dict[str, Any]) -> list[tuple[str, str, bool | None, str]]:
+    """The bars of the scenarios the results hold (a batch of other scenarios has none)."""
     out: list[tuple[str, str, bool | None, str]] = []
     for sid, key in REAL_HEADLINES.items():
-        row = results.get(sid) or {}
+        if sid not in results:
+            continue
+        row = results[sid] or {}
         mine = _v(row, "sluice", key)
         base = [(b, _v(row, b, key)) for b in BASELINES if _v(row, b, key) is not None]
         best_b, best = min(base, key=lambda bv: bv[1]) if base else (None, None)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from bench.bars import real_bars
-from bench.real import BEGIN, END, comparison, merge, section, winner, write_docs
+from bench.real import BEGIN, END, bars_table, comparison, merge, section, winner, write_docs
 
 
 def _run(sid: str, commit: str, rows: dict) -> dict:
@@ -55,7 +55,14 @@ def test_real_bars_need_twice_better_and_no_goodput_loss():
     assert v[("P3", "beats")] is True and v[("P3", "not")] is True          # 1.5 x 2 <= 3 (smg); 3 >= 3
     assert v[("P7", "beats")] is False and v[("P7", "not")] is False
     assert v[("P9", "beats")] is False                                      # 0 vs 0 beats nothing
-    assert v[("PX", "beats")] is None                                       # not run
+    assert ("PX", "beats") not in v                                         # not run: no bar shown
+
+
+def test_a_batch_without_issue_16s_scenarios_says_it_has_no_bar():
+    results = {"P4": {"sluice": {"ghost_tokens_per_cancel": 0.1}, "envoy-rr": {"ghost_tokens_per_cancel": 20.0}},
+               "P8": {"sluice": {"detect_s": 6.0}}, "_meta": {}}
+    assert real_bars(results) == []
+    assert bars_table(results) == "Issue 16 states no bar for P4, P8.\n"
 
 
 def test_docs_section_is_replaced_between_its_markers(tmp_path: Path):
