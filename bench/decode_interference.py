@@ -7,9 +7,10 @@ engines (the preset's cost model, `extproc.sim.engine`, driven in simulated time
 result on every run) through a minimal gateway, one policy at a time:
 
   forward        every request goes to an engine at once, alternating (round robin)
-  backlog <= X   a FIFO queue; the head goes to the replica with the least unprefilled prompt time when that time
-                 plus its own prefill is at most X seconds, or to an idle replica (sluice's prefill gate at a TTFT
-                 target of X); a request that waited longer than the SLO less its own prefill is refused
+  backlog <= X   a FIFO queue; the head goes to a replica whose unprefilled prompt time plus its own prefill is at
+                 most X seconds, or that has none (sluice's prefill gate at a TTFT target of X), the one with the
+                 fewest requests among them; a request that waited longer than the SLO less its own prefill is
+                 refused
   in flight <= K the same queue and refusal; at most K requests in flight per replica
 
 and counts, per class (`before` / `after` the change), the calls within the SLO, and the failed ones by kind:
@@ -55,6 +56,9 @@ class Window:
 
 @dataclass(frozen=True)
 class Policy:
+    """One gateway: where the queue's head may go now (None: anywhere, in turn), and whether it refuses a request
+    that can no longer meet the SLO."""
+
     name: str
     admits: Callable[[Engine, float], bool] | None  # (replica, the request's own prefill s) -> may it go there now
     refuses_late: bool = True
