@@ -79,7 +79,10 @@ def policies() -> list[Policy]:
     per_token = own_prefill_s(p10.AFTER_PROMPT) / p10.AFTER_PROMPT
 
     def backlog(limit: float) -> Callable[[Engine, float], bool]:
-        return lambda e, own: unprefilled_s(e, per_token) == 0 or unprefilled_s(e, per_token) + own <= limit
+        def admits(e: Engine, own: float) -> bool:
+            queued = unprefilled_s(e, per_token)
+            return queued == 0 or queued + own <= limit
+        return admits
 
     def in_flight(k: int) -> Callable[[Engine, float], bool]:
         return lambda e, own: len(e.waiting) + len(e.running) < k

@@ -25,7 +25,7 @@ def test_decodes_behind_queued_prefills_do_not_finish_in_the_quick_window():
     assert gate["within_slo"] <= forward["within_slo"] + 1
 
 
-def test_with_a_drain_as_long_as_the_slo_every_policy_serves_the_quick_run():
+def test_with_the_slo_added_to_the_drain_every_policy_serves_the_quick_run():
     for outcome in by_name(di.windows()[1]).values():
         assert outcome["after"]["within_slo"] == outcome["after"]["calls"]
         assert outcome["before"]["within_slo"] == outcome["before"]["calls"]
