@@ -21,8 +21,9 @@ What it shows (bench/results/decode-interference.json, docs/benchmarks.md): vLLM
 packs a step with every running request's next decode token and then prefill chunks up to
 `max_num_batched_tokens`, so while prompts wait to be prefilled, every decode advances one token per step that
 also prefills a whole chunk. A request whose first token comes in time then takes many seconds for its 48 tokens,
-and the quick run's window (4 s after the last arrival) ends first. A gate on predicted prefill alone, at the SLO's 8 s, keeps that interference:
-only a gate that leaves the decodes room (a smaller prefill backlog, or fewer requests in flight) completes them.
+and the quick run's window (4 s after the last arrival) ends first. A gate on predicted prefill alone, at the
+SLO's 8 s, keeps that interference: only a gate that leaves the decodes room (a smaller prefill backlog, or fewer
+requests in flight) completes them.
 
     python -m bench.decode_interference [--json FILE]
 """
