@@ -21,7 +21,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.backends import PROBE_TOKENS
 from bench.bars import BASELINES, real_bars, repetitions
@@ -88,11 +88,12 @@ def per_rep(metrics: dict[str, Any], key: str) -> list[Any]:
     return values if len(values) > 1 and any(v is not None for v in values) else []
 
 
-def cell(metrics: dict[str, Any], key: str) -> str:
-    """A system's value: the median over repetitions, then each repetition's value in brackets (`--seeds N`)."""
+def cell(metrics: dict[str, Any], key: str, number: Callable[[Any], str] = fmt) -> str:
+    """A system's value: the median over repetitions, then each repetition's value in brackets (`--seeds N`);
+    ``number`` writes each value (`fmt` rounds to three figures)."""
     values = per_rep(metrics, key)
-    text = fmt(metrics.get(key))
-    return f"{text} [{', '.join(fmt(v) for v in values)}]" if values else text
+    text = number(metrics.get(key))
+    return f"{text} [{', '.join(number(v) for v in values)}]" if values else text
 
 
 def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:

@@ -230,3 +230,42 @@ def test_the_seeds_report_judges_each_repetition_on_its_own_numbers(tmp_path: Pa
     src.write_text(json.dumps(result))
     assert main([str(src), "--docs", str(docs)]) == 0
     assert "old" not in docs.read_text() and "at commit `abc`" in docs.read_text()
+
+
+def test_one_scenarios_table_shows_each_value_as_the_file_holds_it():
+    """A whole number loses its `.0`, anything else keeps every digit (11.125, not fmt's 11.1), the median comes
+    before each repetition's value in brackets, and a metric no system has (the simulator's engine probe) is no
+    row."""
+    from bench.seeds_report import scenario_table
+
+    def system(goodputs: list[float], failed: list[float]) -> dict:
+        return {"slo_goodput_rps": sorted(goodputs)[1], "failed": sorted(failed)[1], "engine_probe_s": None,
+                "per_rep": [{"slo_goodput_rps": g, "failed": f} for g, f in zip(goodputs, failed)]}
+    result = {"PX": {"envoy-rr": system([1.05, 0.175, 0.0], [142.0, 222.0, 396.0]),
+                     "sluice": system([12.625, 11.125, 10.8], [121.0, 169.0, 195.0])},
+              "_meta": {"quick": True, "backend": "sim", "seeds": 3}}
+    lines = scenario_table(result, "PX").splitlines()
+    assert lines[0] == "| PX, 12 s, simulator, median [per repetition] | sluice | envoy-rr |"
+    assert lines[2] == "| `slo_goodput_rps` (req/s) | 11.125 [12.625, 11.125, 10.8] | 0.175 [1.05, 0.175, 0] |"
+    assert lines[3] == "| calls that failed for good | 169 [121, 169, 195] | 222 [142, 222, 396] |"
+    assert len(lines) == 4                                          # no offered, hit rate, p95 or probe row
+    result["_meta"].update(quick=False, backend="vllm-cpu")
+    assert scenario_table(result, "PX").startswith("| PX, 40 s, real engines, median [per repetition] |")
+
+
+def test_the_px_full_length_tables_regenerate_in_place_and_unchanged(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """The committed tables are what their JSON renders to, and writing them again leaves the page as it was."""
+    from bench.seeds_report import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])         # the page names its sources from the root
+    page = tmp_path / "benchmarks.md"
+    committed = Path("docs/benchmarks.md").read_text()
+    page.write_text(committed)
+    for _ in range(2):
+        for kind in ("real", "sim"):
+            src = f"bench/results/px-full/{kind}-turns.json"
+            assert main([src, "--scenario", "PX", "--docs", str(page), "--markers", f"px-full-{kind}-turns"]) == 0
+        assert page.read_text() == committed
+    with pytest.raises(SystemExit):                                 # would overwrite the whole run's seeds table
+        main([src, "--scenario", "PX", "--docs", str(page)])
