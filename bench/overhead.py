@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from bench.loadgen import chat_body, closed_loop, percentile
 from bench.procstat import cpu_seconds
+from bench.report import git_commit
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, free_ports, http_ok, with_free_ports
 
@@ -155,14 +155,6 @@ def table(result: dict) -> str:
         f" = {result['rps_c32_vs_envoy_only']:.2f} | >= 0.35 |",
     ]
     return "\n".join(lines)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str]) -> int:

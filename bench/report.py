@@ -29,13 +29,15 @@ COMMON = (  # every scenario's whole-cost metrics (bench/scenarios/base.py: slo_
 
 
 def git_commit() -> str:
+    """The short commit of the working directory's checkout, `+dirty` when tracked files differ from it: the code a
+    run measured (the bench tools stamp their results with it)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
         commit = out.stdout.strip() or "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=5).stdout.strip()
         return commit + ("+dirty" if dirty else "")
-    except OSError:
+    except (OSError, subprocess.SubprocessError):  # no git, or it hung past the timeout: the run goes on
         return "unknown"
 
 

@@ -24,7 +24,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procstat import rss_bytes
+from bench.report import git_commit
 from extproc.config import policy_from_dict
 from extproc.supervisor import Stack, with_free_ports
 
@@ -204,17 +204,6 @@ def growth(samples: list[dict[str, float]], key: str, warmup_s: float) -> dict[s
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def fault(stack: Stack, addr: str, name: str, value: Any) -> None:
     req = urllib.request.Request(stack.sim_admin_url(addr) + "/sim/fault", method="POST",
                                  data=json.dumps({"fault": name, "value": value}).encode(),
