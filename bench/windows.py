@@ -8,6 +8,13 @@ first sent:
 
     python -m bench.windows DIR --slo 0.5 [--window 10] [--scenario PX]
 
+Where the first token's time went, per class of the calls first sent from `--since` seconds on (`--split`):
+before the replica answered (from the first send to the final attempt's response headers: the gateway's queue,
+earlier attempts, the hops) and after it (from the headers to the first token: the engine's own queue and the
+prefill). The simulator and vLLM answer a streamed request's headers when they accept it, before its prefill.
+
+    python -m bench.windows DIR --slo 0.5 --split --since 9 [--scenario P1f]
+
 A call (every SDK and business retry of one user request, `bench.scenarios.base.Call`) is within the SLO when its
 final attempt completed with its first token at most `--slo` seconds after the first send, late when it completed
 later, and failed otherwise (refused, errored, timed out or unfinished at the run's end).
@@ -67,17 +74,53 @@ def table(files: list[Path], slo_s: float, window_s: float) -> str:
     return "\n".join(lines)
 
 
+def quantile(values: list[float], q: float) -> float | None:
+    """The `q` quantile by rank (as `bench.scenarios.base.pct`), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def split(calls: list[Call], since_s: float) -> dict[str, tuple[list[float], list[float]]]:
+    """Class -> (seconds before the replica's response headers, seconds from them to the first token) of each call
+    first sent at or after `since_s` whose final attempt got a first token."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for call in calls:
+        last = call.final
+        if call.first_send < since_s or last.first_token is None or last.headers_at is None:
+            continue
+        before, after = out.setdefault(call.kind, ([], []))
+        before.append(last.headers_at - call.first_send)
+        after.append(last.first_token - last.headers_at)
+    return out
+
+
+def split_table(files: list[Path], since_s: float) -> str:
+    """A markdown table: one row per records file and class, the p50 and p95 of each part of the first token's time."""
+    lines = [f"First token's time of the calls first sent from {since_s:g} s on, seconds: p50 / p95", "",
+             "| run | class | calls | before the replica's headers | from them to the first token |",
+             "|---|---|---|---|---|"]
+    for f in files:
+        for kind, (before, after) in sorted(split(read_calls(f), since_s).items()):
+            cells = [" / ".join(f"{quantile(xs, q):.3f}" for q in (0.5, 0.95)) for xs in (before, after)]
+            lines.append(f"| {f.name.split('.')[0]} | {kind} | {len(before)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", type=Path, help="the --records directory of a bench run")
     ap.add_argument("--slo", type=float, required=True, help="the scenario's TTFT SLO, seconds")
     ap.add_argument("--window", type=float, default=10.0, help="window length, seconds (default 10)")
     ap.add_argument("--scenario", default="", help="only this scenario's records (file name prefix)")
+    ap.add_argument("--split", action="store_true", help="where the first token's time went, per class")
+    ap.add_argument("--since", type=float, default=0.0, help="with --split: calls first sent from here on, seconds")
     args = ap.parse_args(argv)
     files = sorted(p for p in args.records.glob(f"{args.scenario}*.jsonl*") if p.suffix in (".jsonl", ".gz"))
     if not files:
         raise SystemExit(f"no records (*.jsonl, *.jsonl.gz) under {args.records}")
-    print(table(files, args.slo, args.window))
+    print(split_table(files, args.since) if args.split else table(files, args.slo, args.window))
 
 
 if __name__ == "__main__":

@@ -244,13 +244,13 @@ def test_one_scenarios_table_shows_each_value_as_the_file_holds_it():
     result = {"PX": {"envoy-rr": system([1.05, 0.175, 0.0], [142.0, 222.0, 396.0]),
                      "sluice": system([12.625, 11.125, 10.8], [121.0, 169.0, 195.0])},
               "_meta": {"quick": True, "backend": "sim", "seeds": 3}}
-    lines = scenario_table(result, "PX").splitlines()
+    lines = scenario_table([result], "PX").splitlines()
     assert lines[0] == "| PX, 12 s, simulator, median [per repetition] | sluice | envoy-rr |"
     assert lines[2] == "| `slo_goodput_rps` (req/s) | 11.125 [12.625, 11.125, 10.8] | 0.175 [1.05, 0.175, 0] |"
     assert lines[3] == "| calls that failed for good | 169 [121, 169, 195] | 222 [142, 222, 396] |"
     assert len(lines) == 4                                          # no offered, hit rate, p95 or probe row
     result["_meta"].update(quick=False, backend="vllm-cpu")
-    assert scenario_table(result, "PX").startswith("| PX, 40 s, real engines, median [per repetition] |")
+    assert scenario_table([result], "PX").startswith("| PX, 40 s, real engines, median [per repetition] |")
 
 
 def test_the_px_full_length_tables_regenerate_in_place_and_unchanged(tmp_path: Path,
@@ -269,3 +269,23 @@ def test_the_px_full_length_tables_regenerate_in_place_and_unchanged(tmp_path: P
         assert page.read_text() == committed
     with pytest.raises(SystemExit):                                 # would overwrite the whole run's seeds table
         main([src, "--scenario", "PX", "--docs", str(page)])
+
+
+def test_several_files_side_by_side_name_each_column_by_its_label(tmp_path: Path):
+    """Two runs of P1f (one default changed in a worktree) as `system (label)` columns, P1f's documented metrics as
+    rows; several files without one label each are refused."""
+    from bench.seeds_report import main, scenario_table
+
+    def run(ratio: float, flood: float) -> dict:
+        return {"P1f": {"sluice": {"slo_goodput_rps": flood / 2, "other_tenant_ttft_p95_ratio": ratio,
+                                   "flood_goodput_rps": flood}}, "_meta": {"quick": True, "backend": "sim"}}
+    lines = scenario_table([run(3.14, 28.0), run(1.34, 11.5)], "P1f", ["shipped", "share 0.5"]).splitlines()
+    assert lines[0] == "| P1f, 18 s, simulator, median [per repetition] | sluice (shipped) | sluice (share 0.5) |"
+    assert "| `other_tenant_ttft_p95_ratio` (x) | 3.14 | 1.34 |" in lines
+    assert "| `flood_goodput_rps` (req/s) | 28 | 11.5 |" in lines
+    files = []
+    for k, r in enumerate((run(3.14, 28.0), run(1.34, 11.5))):
+        files.append(tmp_path / f"r{k}.json")
+        files[-1].write_text(json.dumps(r))
+    with pytest.raises(SystemExit):
+        main([str(f) for f in files] + ["--scenario", "P1f", "--labels", "only-one"])

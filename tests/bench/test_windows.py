@@ -60,3 +60,24 @@ def test_the_table_has_a_row_per_run_and_a_column_per_window(tmp_path: Path) -> 
 def test_no_records_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no records"):
         windows.main([str(tmp_path), "--slo", "0.5"])
+
+
+def test_the_split_puts_a_retrys_wait_before_the_replica_and_the_prefill_after_it(tmp_path: Path) -> None:
+    """A call shed and served by its retry waited 0.3 s before the replica answered (its first send to the retry's
+    headers) and 0.1 s after; calls first sent before `since` and calls without a first token are left out."""
+    def with_headers(row: dict, headers_at: float | None, kind: str) -> dict:
+        return {**row, "headers_at": headers_at, "kind": kind}
+    rows = [
+        with_headers(_attempt(0, 0, 1.0, 200, 1.5, True), 1.1, "steady"),     # before `since`
+        with_headers(_attempt(1, 0, 10.0, 429, None, False), 10.01, "steady"),
+        with_headers(_attempt(1, 1, 10.2, 200, 10.4, True), 10.3, "steady"),  # 0.3 before, 0.1 after
+        with_headers(_attempt(2, 0, 11.0, 200, 11.25, True), 11.05, "flood"),  # 0.05 before, 0.2 after
+        with_headers(_attempt(3, 0, 12.0, 503, None, False), 12.0, "flood"),  # no first token
+    ]
+    path = _write(tmp_path / "P1f-sluice-seed1.jsonl", rows)
+    parts = windows.split(windows.read_calls(path), since_s=9.0)
+    assert set(parts) == {"steady", "flood"}
+    assert [round(x, 3) for x in parts["steady"][0]] == [0.3] and [round(x, 3) for x in parts["steady"][1]] == [0.1]
+    assert [round(x, 3) for x in parts["flood"][1]] == [0.2]
+    lines = windows.split_table([path], since_s=9.0).splitlines()
+    assert "| P1f-sluice-seed1 | steady | 1 | 0.300 / 0.300 | 0.100 / 0.100 |" in lines
