@@ -140,6 +140,8 @@ class Placer:
         self._lane_caps: list[int] = []
         # Per replica, the output this sidecar's requests there are still expected to decode (kv_growth.py).
         self.growth: dict[Replica, KvGrowth] = {}
+        # Per replica, (scraped at, what this sidecar's requests should hold that the scrape did not show).
+        self._unseen: dict[Replica, tuple[float, float]] = {}
         self.on_replicas_changed()
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
@@ -172,6 +174,7 @@ class Placer:
                 r.lane_prefill_until = [0.0] * n_lanes
         if len(self.growth) > len(self.pool.replicas):
             self.growth = {r: g for r, g in self.growth.items() if r in self.pool.replicas}
+            self._unseen = {r: v for r, v in self._unseen.items() if r in self.pool.replicas}
         # Per lane: how many replicas may prefill it at once (0 = not confined).
         self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
         if len(self._lane_seen) != n_lanes:
@@ -272,16 +275,19 @@ class Placer:
         return self._since_scrape(r, now, r.placed_since_scrape_tokens, r.inflight_tokens,
                                   r.shared_tokens - r.shared_at_scrape)
 
-    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float, others_since: float) -> float:
+    def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float, others_since: float,
+                      unseen: float = 0.0) -> float:
         """The engine's scraped KV usage plus, since that scrape: `placed` tokens this sidecar placed, the others'
         `others_since` (footprints or prompts, as `placed`), its waiting requests at `inflight` / this sidecar's
-        requests in flight each, and what its running requests decoded."""
+        requests in flight each, or `unseen` when more (what this sidecar's requests placed before the scrape should
+        hold and it did not show: queued in the engine, prefilling or behind, kv_growth.py), and what its running
+        requests decoded."""
         e = r.engine
         held = e.kv_usage * r.kv_capacity_tokens + placed
         if others_since > 0:
             held += others_since
-        if e.waiting and r.inflight_requests:
-            held += e.waiting * inflight / r.inflight_requests
+        waiting = e.waiting * inflight / r.inflight_requests if e.waiting and r.inflight_requests else 0.0
+        held += waiting if waiting > unseen else unseen
         if e.running and now > e.scraped_at:
             held += e.running * (now - e.scraped_at) / self.decode_s
         return held
@@ -300,7 +306,11 @@ class Placer:
           + prompts placed since that scrape           (their outputs are in the growth below)
           + the other sidecars' prompts placed since the scrape  (shared through Redis; their outputs are in
                                                        the others' growth below, counted once)
-          + engine waiting x mean prompt here          queued in the engine, not yet in its KV
+          + max(engine waiting x mean prompt here,     queued in the engine, not yet in its KV, or, when
+                unseen)                                more, what this sidecar's requests placed before the scrape
+                                                       should hold by the ledger and it did not show (a long
+                                                       prompt prefilling chunk by chunk, an engine behind the
+                                                       prediction: kv_growth.py `unseen`)
           + running x (now - scraped at) / decode s    what its running requests decoded since
           + own growth within the horizon              sum over this sidecar's requests here of the output they
                                                        decode before now + horizon (kv_growth.py `within`)
@@ -316,13 +326,24 @@ class Placer:
         finished stream holds nothing, P13). Without engine numbers: the reservations in flight, as `kv_held`."""
         if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
-        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
-                                  r.shared_prompt_tokens - r.shared_prompt_at_scrape)
         own = self.growth.get(r)
+        held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
+                                  r.shared_prompt_tokens - r.shared_prompt_at_scrape, self._unseen_kv(r, own))
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
         others = r.shared_requests * horizon_s / self.decode_s
         return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
+
+    def _unseen_kv(self, r: Replica, own: KvGrowth | None) -> float:
+        """What this sidecar's requests on `r` are expected to hold and `r`'s last scrape did not show: still to
+        come (kv_growth.py `unseen`), read once per scrape."""
+        if own is None:
+            return 0.0
+        at = r.engine.scraped_at
+        seen = self._unseen.get(r)
+        if seen is None or seen[0] != at:
+            seen = self._unseen[r] = (at, own.unseen(at, r.engine.kv_usage * r.kv_capacity_tokens))
+        return seen[1]
 
     def lifetime_s(self, r: Replica, req: LLMRequest, now: float, work: float) -> float:
         """How long `req` would hold KV on `r`: its predicted TTFT there (`work`: its prefill work there), then its
@@ -758,7 +779,7 @@ class Placer:
         if self.prefix is not None and req.prefix_chain:
             self.prefix.record(r, req, self.prefix.predicted_tokens(r, req), now)
         return self._ledger(r).add(r.lane_prefill_until[lane], req.expected_output_tokens, self.decode_s,
-                                   req.total_tokens)
+                                   req.total_tokens, req.prompt_tokens - req.prefix_held, now)
 
     def _ledger(self, r: Replica) -> KvGrowth:
         g = self.growth.get(r)

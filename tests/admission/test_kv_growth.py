@@ -154,3 +154,33 @@ def test_a_long_generation_another_gateway_placed_since_the_scrape_counts_its_fo
     share([a, b], 1.0)
     assert a.kv_committed(ra, 1.0) == pytest.approx(b.kv_committed(rb, 1.0)) == pytest.approx(2 * 1100)
     assert a.kv_held(ra, 1.0) == pytest.approx(2 * 1100)  # held: both footprints in full, as reserved
+
+
+def test_what_a_scrape_does_not_show_of_the_requests_placed_before_it_is_still_to_come():
+    """unseen(s): the prompts and the output the ledger expects the requests placed before the scrape to hold, less
+    what it showed; one placed after it, or ended, is not in the sum; an engine ahead of the ledger shows more."""
+    g = KvGrowth()
+    g.add(1.2, 240, D, 3240, prompt=3000, placed=1.0)  # predicted: first token at 1.2, 30 decoded by 1.5
+    g.add(1.2, 240, D, 3240, prompt=3000, placed=1.0)
+    ended = g.add(1.2, 240, D, 3240, prompt=3000, placed=1.0)
+    g.remove(ended)
+    g.add(2.0, 240, D, 3240, prompt=3000, placed=1.6)  # placed after the scrape: counted whole elsewhere
+    assert g.unseen(1.5, held=4280.0) == pytest.approx(2 * (3000 + 30) - 4280)
+    assert g.unseen(1.5, held=7000.0) == 0.0
+
+
+def test_a_long_prompt_half_prefilled_at_the_scrape_does_not_let_a_third_in():
+    """P9 with a cache of 76 blocks of 128 tokens (9,728; 8,755 within the margin): two long generations placed
+    together, prefilling chunk by chunk, show 4,280 of their 6,000 prompt tokens at the next scrape. Counting only
+    what it showed, a third fitted beside them (9,720 tokens at their full length: the engine preempts)."""
+    p = placer(n=1, kv_capacity_tokens=9_728, decode_s_per_token=D, prefill_tokens_per_s=40_000)
+    r = p.pool.replicas[0]
+    r.max_num_seqs = 256
+    r.on_scrape(ScrapedState(scraped_at=0.5))
+    for _ in range(2):
+        p.commit(r, req(3000, 240), 0, 1.0)
+        r.answered(req(3000, 240).total_tokens, 3000)
+    r.on_scrape(ScrapedState(scraped_at=1.6, kv_usage=4280 / 9_728, running=2))
+    assert p.why_not(r, req(3000, 240), 0, 1.6, 60.0) == KV_FULL
+    r.on_scrape(ScrapedState(scraped_at=1.7, kv_usage=(6000 + 2 * 30) / 9_728, running=2))  # all of it shown
+    assert p.why_not(r, req(300, 24), 0, 1.7, 60.0) is None                               # a short one fits
