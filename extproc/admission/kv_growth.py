@@ -22,14 +22,16 @@ cut) leaves the sums at once.
 The ledger's timing is a prediction, and the engine may be behind it. It takes a prompt's KV blocks chunk by chunk
 as it prefills (vLLM's chunked prefill: at most max_num_batched_tokens per step), so a scrape taken while a long
 prompt prefills shows only its computed part, and a prefill slower than predicted leaves the ledger counting output
-as decoded that is still to come. Whatever the ledger expects this sidecar's requests to hold at the scrape's time
-s and the scrape does not show is still to come:
+as decoded that is still to come. Whatever the ledger expects this sidecar's requests to hold when the page was
+asked for (s) and the page does not show is still to come:
 
-    unseen(s) = max(0, sum over live i placed before s of (prompt_i + decoded_i(s)) - held(s))
+    unshown(s) = max(0, sum over live i placed before s of (prompt_i + decoded_i(s)) - held(s))
 
 with prompt_i its prompt less the prefix blocks it shares with requests in flight here, decoded_i(s) = min(out_i,
 max(0, s - first_i) / d_i), and held(s) the scraped KV usage x capacity (the other sidecars' requests in it only
-lower the sum: never counted twice). O(requests in flight), so read once per scrape (the placer keeps it). Without
+lower the sum: never counted twice), plus the prompts of the requests the engine had not counted yet, which the
+placer counts as placed since the scrape (`Replica.on_scrape`'s carry). O(requests in flight), so read once per
+scrape (the placer keeps it). Without
 it, P9 with a cache of three long requests preempted: two 3,000-token prompts placed together, predicted prefilled
 in 0.3 s at the learned speed, showed 4,280 of their 6,304 tokens at the next scrape, and a third long one was let
 in beside them.
@@ -159,8 +161,8 @@ class KvGrowth:
                 total += ((end if end < until else until) - now) * g.per_s
         return total
 
-    def unseen(self, at: float, held: float) -> float:
-        """`unseen(at)`: what the ledger expects the requests placed before a scrape at `at` to hold and the scrape,
+    def unshown(self, at: float, held: float) -> float:
+        """`unshown(at)`: what the ledger expects the requests placed before a scrape at `at` to hold and the scrape,
         which showed `held` tokens, does not (O(requests in flight): once per scrape)."""
         expected = 0.0
         for heap in (self._pending, self._decoding):

@@ -141,7 +141,7 @@ class Placer:
         # Per replica, the output this sidecar's requests there are still expected to decode (kv_growth.py).
         self.growth: dict[Replica, KvGrowth] = {}
         # Per replica, (scraped at, what this sidecar's requests should hold that the scrape did not show).
-        self._unseen: dict[Replica, tuple[float, float]] = {}
+        self._unshown: dict[Replica, tuple[float, float]] = {}
         self.on_replicas_changed()
         # Larger lanes confined to a share of the replicas (long prompts): smaller requests avoid their replicas.
         confined = [i for i, lane in enumerate(policy.lanes) if lane.max_replica_share < 1 or lane.replicas]
@@ -174,7 +174,7 @@ class Placer:
                 r.lane_prefill_until = [0.0] * n_lanes
         if len(self.growth) > len(self.pool.replicas):
             self.growth = {r: g for r, g in self.growth.items() if r in self.pool.replicas}
-            self._unseen = {r: v for r, v in self._unseen.items() if r in self.pool.replicas}
+            self._unshown = {r: v for r, v in self._unshown.items() if r in self.pool.replicas}
         # Per lane: how many replicas may prefill it at once (0 = not confined).
         self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
         if len(self._lane_seen) != n_lanes:
@@ -276,10 +276,10 @@ class Placer:
                                   r.shared_tokens - r.shared_at_scrape)
 
     def _since_scrape(self, r: Replica, now: float, placed: float, inflight: float, others_since: float,
-                      unseen: float = 0.0) -> float:
+                      unshown: float = 0.0) -> float:
         """The engine's scraped KV usage plus, since that scrape: `placed` tokens this sidecar placed, the others'
         `others_since` (footprints or prompts, as `placed`), its waiting requests at `inflight` / this sidecar's
-        requests in flight each, or `unseen` when more (what this sidecar's requests placed before the scrape should
+        requests in flight each, or `unshown` when more (what this sidecar's requests placed before the scrape should
         hold and it did not show: queued in the engine, prefilling or behind, kv_growth.py), and what its running
         requests decoded."""
         e = r.engine
@@ -287,7 +287,7 @@ class Placer:
         if others_since > 0:
             held += others_since
         waiting = e.waiting * inflight / r.inflight_requests if e.waiting and r.inflight_requests else 0.0
-        held += waiting if waiting > unseen else unseen
+        held += waiting if waiting > unshown else unshown
         if e.running and now > e.scraped_at:
             held += e.running * (now - e.scraped_at) / self.decode_s
         return held
@@ -307,10 +307,10 @@ class Placer:
           + the other sidecars' prompts placed since the scrape  (shared through Redis; their outputs are in
                                                        the others' growth below, counted once)
           + max(engine waiting x mean prompt here,     queued in the engine, not yet in its KV, or, when
-                unseen)                                more, what this sidecar's requests placed before the scrape
+                unshown)                               more, what this sidecar's requests placed before the scrape
                                                        should hold by the ledger and it did not show (a long
                                                        prompt prefilling chunk by chunk, an engine behind the
-                                                       prediction: kv_growth.py `unseen`)
+                                                       prediction: kv_growth.py `unshown`)
           + running x (now - scraped at) / decode s    what its running requests decoded since
           + own growth within the horizon              sum over this sidecar's requests here of the output they
                                                        decode before now + horizon (kv_growth.py `within`)
@@ -328,21 +328,23 @@ class Placer:
             return float(r.inflight_tokens + r.shared_tokens)
         own = self.growth.get(r)
         held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
-                                  r.shared_prompt_tokens - r.shared_prompt_at_scrape, self._unseen_kv(r, own))
+                                  r.shared_prompt_tokens - r.shared_prompt_at_scrape, self._unshown_kv(r, own))
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
         others = r.shared_requests * horizon_s / self.decode_s
         return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
 
-    def _unseen_kv(self, r: Replica, own: KvGrowth | None) -> float:
+    def _unshown_kv(self, r: Replica, own: KvGrowth | None) -> float:
         """What this sidecar's requests on `r` are expected to hold and `r`'s last scrape did not show: still to
-        come (kv_growth.py `unseen`), read once per scrape."""
+        come (kv_growth.py `unshown`), read once per scrape."""
         if own is None:
             return 0.0
         at = r.engine.scraped_at
-        seen = self._unseen.get(r)
+        seen = self._unshown.get(r)
         if seen is None or seen[0] != at:
-            seen = self._unseen[r] = (at, own.unseen(at, r.engine.kv_usage * r.kv_capacity_tokens))
+            # Placed before the page was asked for; the ones it could not count yet (carried) are in `placed`.
+            shown = r.engine.kv_usage * r.kv_capacity_tokens + r.unseen_prompt_tokens
+            seen = self._unshown[r] = (at, own.unshown(r.scrape_asked_at, shown))
         return seen[1]
 
     def lifetime_s(self, r: Replica, req: LLMRequest, now: float, work: float) -> float:

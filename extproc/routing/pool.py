@@ -89,6 +89,9 @@ class Replica:
                                         # scrape could have seen it
     counted_epoch: int = 0              # the epoch the last successful scrape was sent in: placements of this epoch
                                         # or later are in the since-scrape counters
+    scrape_asked_at: float = 0.0        # time.monotonic() when the engine's page in force was asked for (its
+                                        # placements before it are the ones the page can count)
+    scrape_asking_since: float = 0.0    # ... and when the scrape in flight was
     scrape_in_flight: bool = False      # a scrape was sent and has not been read yet ...
     sent_since_requests: int = 0        # ... and this sidecar's requests placed here since it was sent, in flight,
     sent_since_tokens: int = 0          # with their footprints and prompts: the page cannot have counted them all,
@@ -195,6 +198,7 @@ class Replica:
         counted as sent since it (`on_scrape`)."""
         self.scrape_epoch += 1
         self.scrape_in_flight = True
+        self.scrape_asking_since = time.monotonic()
         self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0
 
     def on_scrape(self, engine: EngineState) -> None:
@@ -221,6 +225,7 @@ class Replica:
         placement of those 50 ms look like a request the engine was slow to take in, and the replica was avoided
         until the next scrape (a burst of equal requests on idle replicas placed 2, 5 and 5)."""
         self.engine = engine
+        self.scrape_asked_at = self.scrape_asking_since if self.scrape_in_flight else engine.scraped_at
         if not self.scrape_in_flight:  # read without `scrape_sent` (the scraper always sends first)
             self.scrape_epoch += 1
             self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0

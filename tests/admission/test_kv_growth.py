@@ -157,7 +157,7 @@ def test_a_long_generation_another_gateway_placed_since_the_scrape_counts_its_fo
 
 
 def test_what_a_scrape_does_not_show_of_the_requests_placed_before_it_is_still_to_come():
-    """unseen(s): the prompts and the output the ledger expects the requests placed before the scrape to hold, less
+    """unshown(s): the prompts and the output the ledger expects the requests placed before the scrape to hold, less
     what it showed; one placed after it, or ended, is not in the sum; an engine ahead of the ledger shows more."""
     g = KvGrowth()
     g.add(1.2, 240, D, 3240, prompt=3000, placed=1.0)  # predicted: first token at 1.2, 30 decoded by 1.5
@@ -165,8 +165,8 @@ def test_what_a_scrape_does_not_show_of_the_requests_placed_before_it_is_still_t
     ended = g.add(1.2, 240, D, 3240, prompt=3000, placed=1.0)
     g.remove(ended)
     g.add(2.0, 240, D, 3240, prompt=3000, placed=1.6)  # placed after the scrape: counted whole elsewhere
-    assert g.unseen(1.5, held=4280.0) == pytest.approx(2 * (3000 + 30) - 4280)
-    assert g.unseen(1.5, held=7000.0) == 0.0
+    assert g.unshown(1.5, held=4280.0) == pytest.approx(2 * (3000 + 30) - 4280)
+    assert g.unshown(1.5, held=7000.0) == 0.0
 
 
 def test_a_long_prompt_half_prefilled_at_the_scrape_does_not_let_a_third_in():
@@ -184,3 +184,20 @@ def test_a_long_prompt_half_prefilled_at_the_scrape_does_not_let_a_third_in():
     assert p.why_not(r, req(3000, 240), 0, 1.6, 60.0) == KV_FULL
     r.on_scrape(ScrapedState(scraped_at=1.7, kv_usage=(6000 + 2 * 30) / 9_728, running=2))  # all of it shown
     assert p.why_not(r, req(300, 24), 0, 1.7, 60.0) is None                               # a short one fits
+
+
+def test_a_request_placed_while_the_page_was_on_its_way_counts_once():
+    """The page counts what was placed before it was asked for: a request placed after that counts whole as placed
+    since the scrape, not again as what the page did not show."""
+    p = placer(n=1, kv_capacity_tokens=9_728, decode_s_per_token=D, prefill_tokens_per_s=40_000)
+    r = p.pool.replicas[0]
+    r.max_num_seqs = 256
+    r.on_scrape(ScrapedState(scraped_at=0.5))
+    p.commit(r, req(3000, 240), 0, 1.0)
+    r.answered(req(3000, 240).total_tokens, 3000)
+    r.scrape_sent()
+    r.scrape_asking_since = 1.05                    # the page was asked for at 1.05 (test clock)
+    p.commit(r, req(3000, 240), 0, 1.1)             # on its way: the page cannot count this one
+    r.on_scrape(ScrapedState(scraped_at=1.2, kv_usage=2000 / 9_728, running=1))
+    assert r.placed_since_scrape_prompt_tokens == 3000
+    assert p._unshown_kv(r, p.growth[r]) == pytest.approx(3000 - 2000)  # the first one's prompt, not yet decoding
