@@ -31,10 +31,9 @@ with prompt_i its prompt less the prefix blocks it shares with requests in fligh
 max(0, s - first_i) / d_i), and held(s) the scraped KV usage x capacity (the other sidecars' requests in it only
 lower the sum: never counted twice), plus the prompts of the requests the engine had not counted yet, which the
 placer counts as placed since the scrape (`Replica.on_scrape`'s carry). O(requests in flight), so read once per
-scrape (the placer keeps it). Without
-it, P9 with a cache of three long requests preempted: two 3,000-token prompts placed together, predicted prefilled
-in 0.3 s at the learned speed, showed 4,280 of their 6,304 tokens at the next scrape, and a third long one was let
-in beside them.
+scrape (the placer keeps it). Without it, P9 with a cache of three long requests preempted: two 3,000-token prompts
+placed together, predicted prefilled in 0.3 s at the learned speed, showed 4,280 of their 6,304 tokens at the next
+scrape, and a third long one was let in beside them.
 """
 
 from __future__ import annotations
