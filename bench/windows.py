@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from bench.openloop import Record
-from bench.scenarios.base import Call, RunData
+from bench.scenarios.base import Call, RunData, pct
 
 OUTCOMES = ("within SLO", "late", "failed")
 
@@ -74,14 +74,6 @@ def table(files: list[Path], slo_s: float, window_s: float) -> str:
     return "\n".join(lines)
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    """The `q` quantile by rank (as `bench.scenarios.base.pct`), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def split(calls: list[Call], since_s: float) -> dict[str, tuple[list[float], list[float]]]:
     """Class -> (seconds before the replica's response headers, seconds from them to the first token) of each call
     first sent at or after `since_s` whose final attempt got a first token."""
@@ -103,7 +95,7 @@ def split_table(files: list[Path], since_s: float) -> str:
              "|---|---|---|---|---|"]
     for f in files:
         for kind, (before, after) in sorted(split(read_calls(f), since_s).items()):
-            cells = [" / ".join(f"{quantile(xs, q):.3f}" for q in (0.5, 0.95)) for xs in (before, after)]
+            cells = [" / ".join(f"{pct(xs, q):.3f}" for q in (50, 95)) for xs in (before, after)]
             lines.append(f"| {f.name.split('.')[0]} | {kind} | {len(before)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
