@@ -13,7 +13,7 @@ before the replica answered (from the first send to the final attempt's response
 earlier attempts, the hops) and after it (from the headers to the first token: the engine's own queue and the
 prefill). The simulator and vLLM answer a streamed request's headers when they accept it, before its prefill.
 
-    python -m bench.windows DIR --slo 0.5 --split --since 9 [--scenario P1f]
+    python -m bench.windows DIR --split --since 9 [--scenario P1f]
 
 A call (every SDK and business retry of one user request, `bench.scenarios.base.Call`) is within the SLO when its
 final attempt completed with its first token at most `--slo` seconds after the first send, late when it completed
@@ -103,12 +103,14 @@ def split_table(files: list[Path], since_s: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", type=Path, help="the --records directory of a bench run")
-    ap.add_argument("--slo", type=float, required=True, help="the scenario's TTFT SLO, seconds")
+    ap.add_argument("--slo", type=float, help="the scenario's TTFT SLO, seconds (required without --split)")
     ap.add_argument("--window", type=float, default=10.0, help="window length, seconds (default 10)")
     ap.add_argument("--scenario", default="", help="only this scenario's records (file name prefix)")
     ap.add_argument("--split", action="store_true", help="where the first token's time went, per class")
     ap.add_argument("--since", type=float, default=0.0, help="with --split: calls first sent from here on, seconds")
     args = ap.parse_args(argv)
+    if not args.split and args.slo is None:
+        ap.error("--slo is required without --split")
     files = sorted(p for p in args.records.glob(f"{args.scenario}*.jsonl*") if p.suffix in (".jsonl", ".gz"))
     if not files:
         raise SystemExit(f"no records (*.jsonl, *.jsonl.gz) under {args.records}")

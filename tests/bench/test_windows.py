@@ -81,3 +81,13 @@ def test_the_split_puts_a_retrys_wait_before_the_replica_and_the_prefill_after_i
     assert [round(x, 3) for x in parts["flood"][1]] == [0.2]
     lines = windows.split_table([path], since_s=9.0).splitlines()
     assert "| P1f-sluice-seed1 | steady | 1 | 0.300 / 0.300 | 0.100 / 0.100 |" in lines
+
+
+def test_the_split_needs_no_slo_and_the_windows_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path / "P1f-sluice-seed1.jsonl",
+                  [{**_attempt(1, 0, 10.0, 200, 10.4, True), "headers_at": 10.3, "kind": "steady"}])
+    windows.main([str(path.parent), "--split", "--since", "9"])
+    assert "| P1f-sluice-seed1 | steady | 1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        windows.main([str(path.parent)])
+    assert "--slo is required without --split" in capsys.readouterr().err
