@@ -182,17 +182,16 @@ class Fleet:
         return [] if pool is None else [r.address for r in pool.replicas if not r.retired]
 
     # ---- the other gateways' load (several sidecars sharing through Redis) ---------------------------------
-    def local_view(self) -> dict[str, dict[str, tuple[int, int, int, int, int]]]:
+    def local_view(self) -> dict[str, dict[str, tuple[int, int, int, int]]]:
         """This sidecar's requests in flight, published to the others: pool -> replica -> (tokens, requests,
-        output still to decode, expected output within tokens, KV expected held now)."""
+        output still to decode, expected output within tokens)."""
         now = time.monotonic()
         view = {}
         for p in self.pools.values():
             placer = self.placers.get(p.model)
             view[p.model] = {r.address: (r.inflight_tokens, r.inflight_requests,
                                          int(placer.own_growth(r, now)) if placer is not None else 0,
-                                         r.inflight_tokens - r.inflight_prompt_tokens,
-                                         int(placer.own_expected(r, now)) if placer is not None else 0)
+                                         r.inflight_tokens - r.inflight_prompt_tokens)
                              for r in p.replicas}
         return view
 
@@ -205,7 +204,7 @@ class Fleet:
                 if load is None:
                     r.note_shared(0, 0)
                 else:
-                    r.note_shared(load.tokens, load.requests, load.growth, load.output, load.expected)
+                    r.note_shared(load.tokens, load.requests, load.growth, load.output)
 
     def capacity_rps(self, model: str, prompt: float) -> float:
         """Requests/s a pool sustains at `prompt` estimated prompt tokens per request (routing/capacity.py); 0 for

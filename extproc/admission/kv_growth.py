@@ -25,25 +25,20 @@ prompt prefills shows only its computed part, and a prefill slower than predicte
 as decoded that is still to come. Whatever the ledger expects this sidecar's requests to hold when the page was
 asked for (s) and the page does not show is still to come:
 
-    unshown(s) = max(0, sum over live i placed before s of (prompt_i + decoded_i(s)) + others(s) - held(s))
+    unshown(s) = max(0, sum over live i placed before s of (prompt_i + decoded_i(s)) - held(s))
 
 with prompt_i its prompt less the prefix blocks it shares with requests in flight here, decoded_i(s) = min(out_i,
-max(0, s - first_i) / d_i), and held(s) the scraped KV usage x capacity plus the prompts of the requests the engine
-had not counted yet, which the placer counts as placed since the scrape (`Replica.on_scrape`'s carry). O(requests
-in flight), so read once per scrape (the placer keeps it). Without it, P9 with a cache of three long requests
-preempted: two 3,000-token prompts placed together, predicted prefilled in 0.3 s at the learned speed, showed 4,280
-of their 6,304 tokens at the next scrape, and a third long one was let in beside them.
-
-others(s) is 0 for a single gateway. With several sharing through Redis, the page shows their requests too, so
-another gateway's requests would hide what is still to come of this one's, and theirs would count nowhere. Each
-sidecar publishes the sum over its own requests (`expected`, every shared-view round), and others(s) is the other
-sidecars' latest sums as they stood when the page was asked for.
+max(0, s - first_i) / d_i), and held(s) the scraped KV usage x capacity (the other sidecars' requests in it only
+lower the sum: never counted twice), plus the prompts of the requests the engine had not counted yet, which the
+placer counts as placed since the scrape (`Replica.on_scrape`'s carry). O(requests in flight), so read once per
+scrape (the placer keeps it). Without it, P9 with a cache of three long requests preempted: two 3,000-token prompts
+placed together, predicted prefilled in 0.3 s at the learned speed, showed 4,280 of their 6,304 tokens at the next
+scrape, and a third long one was let in beside them.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from itertools import count
 
 COMPACT_MIN = 64  # removed entries tolerated in the heaps before a rebuild is considered
@@ -165,21 +160,14 @@ class KvGrowth:
                 total += ((end if end < until else until) - now) * g.per_s
         return total
 
-    def expected(self, at: float, placed_before: float = math.inf) -> float:
-        """The KV the ledger expects the live requests placed before `placed_before` to hold at `at`: their prompts
-        and the output decoded by then (O(requests in flight): once per scrape, and once per shared-view round)."""
-        total = 0.0
+    def unshown(self, at: float, held: float) -> float:
+        """`unshown(at)`: what the ledger expects the requests placed before a scrape at `at` to hold and the scrape,
+        which showed `held` tokens, does not (O(requests in flight): once per scrape)."""
+        expected = 0.0
         for heap in (self._pending, self._decoding):
             for _, _, g in heap:
-                if g.live and g.placed < placed_before:
-                    total += g.expected_at(at)
-        return total
-
-    def unshown(self, at: float, held: float, others: float = 0.0) -> float:
-        """`unshown(at)`: what the ledger expects the requests placed before a scrape at `at` to hold, plus what the
-        other sidecars expected theirs to hold (`others`, published), and the scrape, which showed `held` tokens,
-        does not."""
-        expected = self.expected(at, at) + others
+                if g.live and g.placed < at:
+                    expected += g.expected_at(at)
         return expected - held if expected > held else 0.0
 
     def ends(self, now: float) -> list[tuple[float, float]]:

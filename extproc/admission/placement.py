@@ -297,12 +297,6 @@ class Placer:
         g = self.growth.get(r)
         return g.remaining(now) if g is not None else 0.0
 
-    def own_expected(self, r: Replica, now: float) -> float:
-        """KV this sidecar's requests on `r` are expected to hold now (kv_growth.py `expected`: published to the
-        other sidecars, for their `unshown`)."""
-        g = self.growth.get(r)
-        return g.expected(now) if g is not None else 0.0
-
     def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None) -> float:
         """KV tokens the replica's engine will hold, at most, within the next `horizon_s` seconds (None: before its
         requests in flight end): what it holds now plus the output they decode meanwhile (the admission check,
@@ -313,10 +307,9 @@ class Placer:
           + the other sidecars' prompts placed since the scrape  (shared through Redis; their outputs are in
                                                        the others' growth below, counted once)
           + max(engine waiting x mean prompt here,     queued in the engine, not yet in its KV, or, when
-                unshown)                               more, what the requests placed before the scrape (this
-                                                       sidecar's, and the others' as they published it) should
-                                                       hold by the ledgers and it did not show (a long prompt
-                                                       prefilling chunk by chunk, an engine behind the
+                unshown)                               more, what this sidecar's requests placed before the scrape
+                                                       should hold by the ledger and it did not show (a long
+                                                       prompt prefilling chunk by chunk, an engine behind the
                                                        prediction: kv_growth.py `unshown`)
           + running x (now - scraped at) / decode s    what its running requests decoded since
           + own growth within the horizon              sum over this sidecar's requests here of the output they
@@ -342,19 +335,16 @@ class Placer:
         return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
 
     def _unshown_kv(self, r: Replica, own: KvGrowth | None) -> float:
-        """What this sidecar's requests on `r`, and the other sidecars' as they published it, are expected to hold
-        and `r`'s last scrape did not show: still to come (kv_growth.py `unshown`), read once per scrape."""
+        """What this sidecar's requests on `r` are expected to hold and `r`'s last scrape did not show: still to
+        come (kv_growth.py `unshown`), read once per scrape."""
+        if own is None:
+            return 0.0
         at = r.engine.scraped_at
         seen = self._unshown.get(r)
         if seen is None or seen[0] != at:
             # Placed before the page was asked for; the ones it could not count yet (carried) are in `placed`.
             shown = r.engine.kv_usage * r.kv_capacity_tokens + r.unseen_prompt_tokens
-            others = r.shared_expected_asked
-            if own is not None:
-                unshown = own.unshown(r.scrape_asked_at, shown, others)
-            else:
-                unshown = others - shown if others > shown else 0.0
-            seen = self._unshown[r] = (at, unshown)
+            seen = self._unshown[r] = (at, own.unshown(r.scrape_asked_at, shown))
         return seen[1]
 
     def lifetime_s(self, r: Replica, req: LLMRequest, now: float, work: float) -> float:

@@ -127,9 +127,6 @@ class Replica:
     shared_prompt_at_scrape: int = 0    # ... when this replica was last scraped
     shared_growth: float = 0.0          # output the others' requests here are still expected to decode
                                         # (admission/kv_growth.py), as of the latest shared view
-    shared_expected: float = 0.0        # KV the others' ledgers expect their requests here to hold (prompts and
-                                        # output decoded: kv_growth.py `expected`), as of the latest shared view
-    shared_expected_asked: float = 0.0  # ... when the last scrape's page was asked for (kv_growth.py `unshown`)
     state_since: float = field(default_factory=time.monotonic)
     state_reason: str = "start"
 
@@ -202,7 +199,6 @@ class Replica:
         self.scrape_epoch += 1
         self.scrape_in_flight = True
         self.scrape_asking_since = time.monotonic()
-        self.shared_expected_asked = self.shared_expected
         self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0
 
     def on_scrape(self, engine: EngineState) -> None:
@@ -232,7 +228,6 @@ class Replica:
         self.scrape_asked_at = self.scrape_asking_since if self.scrape_in_flight else engine.scraped_at
         if not self.scrape_in_flight:  # read without `scrape_sent` (the scraper always sends first)
             self.scrape_epoch += 1
-            self.shared_expected_asked = self.shared_expected
             self.sent_since_requests = self.sent_since_tokens = self.sent_since_prompt_tokens = 0
         self.scrape_in_flight = False
         self.counted_epoch = self.scrape_epoch
@@ -266,16 +261,13 @@ class Replica:
         """May take new traffic at all (probes for ejected replicas are decided by health.py)."""
         return not self.draining and self.state != EJECTED and self.weight > 0
 
-    def note_shared(self, tokens: int, requests: int, growth: float = 0.0, output: int = 0,
-                    expected: float = 0.0) -> None:
+    def note_shared(self, tokens: int, requests: int, growth: float = 0.0, output: int = 0) -> None:
         """The other sidecars' requests in flight here, as of the latest shared view: `tokens` their footprints,
-        `output` the expected output within them (a report without it: 0, all of `tokens` counts as prompt),
-        `expected` the KV their ledgers expect them to hold now (a report without it: 0)."""
+        `output` the expected output within them (a report without it: 0, all of `tokens` counts as prompt)."""
         self.shared_tokens = tokens
         self.shared_prompt_tokens = tokens - output
         self.shared_requests = requests
         self.shared_growth = growth
-        self.shared_expected = expected
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests

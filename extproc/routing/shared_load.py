@@ -7,11 +7,10 @@ to the other gateways' placements, so under a burst N gateways pile onto the sam
 
 Protocol (one Redis round trip per `interval_s`, never per request; off the hot path in a background task):
   one hash per deployment, `<key_prefix>load`: field = sidecar id, value = `<redis time ms>|<json>` with
-  json = {pool: {replica: [tokens, requests, growth, output, expected]}} of that sidecar's requests in flight
-  (non-zero entries only; tokens = their footprints, prompt + expected output; growth = the output they are still
-  expected to decode, admission/kv_growth.py; output = the expected output within tokens, so tokens - output are
-  their prompts; expected = the KV its ledger expects them to hold now, prompts and output decoded; a report
-  without growth, output or expected counts 0 for it).
+  json = {pool: {replica: [tokens, requests, growth, output]}} of that sidecar's requests in flight (non-zero
+  entries only; tokens = their footprints, prompt + expected output; growth = the output they are still expected
+  to decode, admission/kv_growth.py; output = the expected output within tokens, so tokens - output are their
+  prompts; a report without growth or output counts 0 for it).
   A Lua script writes this sidecar's field (stamped with Redis' own clock: no skew between gateways), refreshes
   the key's TTL, and returns every other field younger than `stale_after_s`; fields older than 10 x that are
   deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
@@ -27,9 +26,6 @@ admission/placement.py `Placer.kv_committed` and `_over_concurrency` read it):
   concurrency      with an explicit or unknown cap: own in-flight requests + others' in-flight requests
   growth           the others' requests' expected output still to decode, next to this sidecar's own: the KV
                    they will hold before they end, which no scrape shows yet (placement `kv_committed`)
-  expected         what the others' ledgers expect their requests to hold, as it stood when a scrape's page was
-                   asked for, next to this sidecar's own: what the page does not show of it is still to come
-                   (kv_growth.py `unshown`: a prompt still prefilling chunk by chunk, an engine behind)
 The view is at most `interval_s` + one round trip old; queues stay local (each sidecar admits its own requests).
 
 Losing Redis: any error empties the view (placement falls back to own placements + scrapes, today's behaviour),
@@ -56,7 +52,7 @@ STOP_WAIT_S = 2.0  # how long stop() waits for the loop to end and for the clien
 
 LocalView = Callable[[], Mapping[str, Mapping[str, tuple[int, ...]]]]
 """This sidecar's requests in flight: pool -> replica address -> (tokens, requests, output still to decode,
-expected output within tokens, KV expected held now)."""
+expected output within tokens)."""
 
 View = dict[str, dict[str, "Load"]]
 
@@ -87,14 +83,12 @@ return out
 @dataclass(frozen=True, slots=True)
 class Load:
     """Requests in flight on one replica, their reserved tokens (prompt + expected output), the output they
-    are still expected to decode, their expected output (`tokens - output`: their prompts), and the KV they are
-    expected to hold now."""
+    are still expected to decode, and their expected output (`tokens - output`: their prompts)."""
 
     tokens: int = 0
     requests: int = 0
     growth: int = 0
     output: int = 0
-    expected: int = 0
 
 
 ZERO = Load()
@@ -126,14 +120,16 @@ def _merge(reports: list[bytes]) -> View:
             report = orjson.loads(raw)
             for pool, replicas in report.items():
                 for addr, load in replicas.items():
-                    acc = tokens.setdefault((pool, addr), [0, 0, 0, 0, 0])
-                    for i, value in enumerate(load[:5]):  # an older report has fewer fields: 0 for the rest
-                        acc[i] += int(value)
+                    acc = tokens.setdefault((pool, addr), [0, 0, 0, 0])
+                    acc[0] += int(load[0])
+                    acc[1] += int(load[1])
+                    acc[2] += int(load[2]) if len(load) > 2 else 0
+                    acc[3] += int(load[3]) if len(load) > 3 else 0
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, IndexError, KeyError):
             log.debug("skipped a malformed shared-load report")
     view: View = {}
-    for (pool, addr), acc in tokens.items():
-        view.setdefault(pool, {})[addr] = Load(*acc)
+    for (pool, addr), (t, r, g, o) in tokens.items():
+        view.setdefault(pool, {})[addr] = Load(t, r, g, o)
     return view
 
 

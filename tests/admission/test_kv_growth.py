@@ -203,31 +203,3 @@ def test_a_request_placed_while_the_page_was_on_its_way_counts_once():
     # the page's 2,000, the one placed since it whole, what the page did not show of the first one's prompt (not
     # decoding yet at 1.05), and the output both are still to decode
     assert p.kv_committed(r, 1.2) == pytest.approx(2000 + 3000 + (3000 - 2000) + p.own_growth(r, 1.2))
-
-
-def test_another_gateways_prompt_half_prefilled_at_the_scrape_does_not_let_a_third_in():
-    """PG's two gateways, P9's long prompts: each sidecar placed one 3,000-token prompt on the replica, and the page
-    shows 4,280 of the 6,000 tokens (prefilling chunk by chunk). Each sidecar's own request is within what the page
-    shows, so only the sum over both ledgers (the other's published `expected`) shows the rest still to come. Without
-    it a third long one fitted beside them (9,720 tokens at their full length: the engine preempts)."""
-    a, b = (placer(n=1, kv_capacity_tokens=9_728, decode_s_per_token=D, prefill_tokens_per_s=40_000)
-            for _ in range(2))
-    ra, rb = a.pool.replicas[0], b.pool.replicas[0]
-    for p, r in ((a, ra), (b, rb)):
-        r.max_num_seqs = 256
-        r.on_scrape(ScrapedState(scraped_at=0.5))
-        p.commit(r, req(3000, 240), 0, 1.0)
-        r.answered(req(3000, 240).total_tokens, 3000)
-
-    def publish(expected: bool) -> None:  # b's report to a, as fleet.local_view / on_shared_view carry it
-        ra.note_shared(rb.inflight_tokens, rb.inflight_requests, b.own_growth(rb, 1.55),
-                       rb.inflight_tokens - rb.inflight_prompt_tokens, b.own_expected(rb, 1.55) if expected else 0)
-
-    publish(expected=True)
-    assert ra.shared_expected == pytest.approx(3000 + 47.5)  # its prompt, and its output decoded by 1.55 (its first
-                                                             # token predicted at 1.075: 3,000 tokens at 40,000/s)
-    ra.on_scrape(ScrapedState(scraped_at=1.6, kv_usage=4280 / 9_728, running=2))
-    assert a.why_not(ra, req(3000, 240), 0, 1.6, 60.0) == KV_FULL
-    publish(expected=False)  # a report without it (an older sidecar): counted as 0
-    ra.on_scrape(ScrapedState(scraped_at=1.61, kv_usage=4280 / 9_728, running=2))
-    assert a.why_not(ra, req(3000, 240), 0, 1.61, 60.0) is None

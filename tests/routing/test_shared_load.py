@@ -267,27 +267,3 @@ def test_reports_carry_the_expected_output_so_the_others_prompts_are_known():
     assert (r.shared_tokens, r.shared_prompt_tokens) == (1400, 700)  # 400 + the older report's 300 in full
     r.on_scrape(EngineState(scraped_at=1.0))
     assert r.shared_prompt_at_scrape == 700
-
-
-def test_the_others_expected_kv_as_it_stood_when_the_page_was_asked_for_counts_what_the_page_did_not_show():
-    """The fleet publishes what its requests are expected to hold now (their prompts before their first token);
-    the other sidecar keeps the value it had when its scrape's page was asked for, and counts what that page did
-    not show of it as still to come, next to their growth: the other's request counts whole."""
-    from extproc.fleet import Fleet
-
-    policy = policy_from_dict({"pools": [{"model": "m", "replicas": ["10.5.0.1:8000"]}],
-                               "admission": {"kv_capacity_tokens": 10_000}})
-    one, two = Fleet(policy), Fleet(policy)
-    now = time.monotonic()
-    one.placers["m"].commit(one.pools["m"].replicas[0], LLMRequest(
-        request_id="x", endpoint="chat", model="m", stream=True, prompt_tokens=500, max_output_tokens=1500), 0, now)
-    published = one.local_view()["m"]["10.5.0.1:8000"]
-    assert published[4] == 500  # its prompt: its first token is not due yet
-    two.on_shared_view(_merge([_encode(one.local_view())]))
-    r = two.pools["m"].replicas[0]
-    assert (r.shared_expected, r.shared_growth) == (500, 1500)
-    r.scrape_sent()
-    r.on_scrape(EngineState(scraped_at=now, kv_usage=0.0))  # the page does not show it yet
-    assert r.shared_expected_asked == 500
-    assert two.placers["m"].kv_committed(r, now) == pytest.approx(500 + 1500)
-    assert _merge([b'{"m": {"10.5.0.1:8000": [2000, 1, 1500, 1500]}}'])["m"]["10.5.0.1:8000"].expected == 0
