@@ -6,8 +6,9 @@ machine's CPU-lock budget), once with `--backend vllm-cpu` and once on the simul
 batch writes its own `sluice bench run --json` file. Then:
 
     python -m bench.real merge OUT IN...                 one results file (later files win per scenario)
-    python -m bench.real docs REAL SIM --docs FILE       the comparison between FILE's `real-engines` markers
-    python -m bench.real docs REAL SIM --markers NAME    ... between `NAME` markers (another machine's runs)
+    python -m bench.real docs REAL SIM                   the comparison, printed (no page is written)
+    python -m bench.real docs REAL SIM --docs FILE       ... and written between FILE's `real-engines` markers
+    python -m bench.real docs REAL SIM --docs FILE --markers NAME   ... between `NAME` markers (another run)
     python -m bench.real docs REAL SIM --brief README.md ... and the runs and issue 16's bars in the README
 
 The comparison judges, per headline metric, which side wins: sluice or the best baseline (the baseline with the
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     dp = sub.add_parser("docs", help="the real-vs-simulator comparison into a markdown page")
     dp.add_argument("real")
     dp.add_argument("sim")
-    dp.add_argument("--docs", default="docs/benchmarks.md")
+    dp.add_argument("--docs", default=None, metavar="PAGE",
+                    help="write the comparison between PAGE's markers (without it: printed only)")
     dp.add_argument("--markers", default=MARKERS, help="the name of the page's markers to write between")
     dp.add_argument("--brief", default=None, metavar="PAGE",
                     help=f"also write the short form (the runs and issue 16's bars) between PAGE's {BRIEF} markers")
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     real, sim = json.loads(Path(args.real).read_text()), json.loads(Path(args.sim).read_text())
     text = section(real, sim, args.markers, (args.real, args.sim))
-    write_docs(Path(args.docs), text, args.markers)
+    if args.docs:
+        write_docs(Path(args.docs), text, args.markers)
     if args.brief:
         write_docs(Path(args.brief), brief(real, args.real), BRIEF)
     print(text)

@@ -5,6 +5,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from bench.bars import real_bars
 from bench.real import BEGIN, END, bars_table, comparison, merge, section, winner, write_docs
 
@@ -245,3 +247,21 @@ def test_the_brief_for_the_readme_names_the_runs_and_the_bars(tmp_path: Path):
     assert "old" not in text and text.endswith(f"{end}\n\nmore\n") and "at commit `abc`" in text
     assert ("| P3 | sluice hol_slowdown beats the best baseline's by >= 2x | sluice 1, best baseline envoy-rr 5 "
             "| met |") in text
+
+
+def test_the_comparison_without_a_page_is_printed_and_no_page_is_written(tmp_path: Path, monkeypatch,
+                                                                         capsys: pytest.CaptureFixture[str]):
+    from bench.real import main
+
+    rows = {"sluice": {"slo_goodput_rps": 2.0, "hol_slowdown": 1.0}, "envoy-rr": {"slo_goodput_rps": 1.0,
+                                                                                   "hol_slowdown": 5.0}}
+    real, sim = tmp_path / "real.json", tmp_path / "sim.json"
+    real.write_text(json.dumps(merge([_run("P3", "abc", rows)])))
+    sim.write_text(json.dumps(merge([_run("P3", "abc", rows)])))
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "benchmarks.md"
+    page.write_text("# the published page\n")
+    monkeypatch.chdir(tmp_path)  # where `docs/benchmarks.md` was the default page
+    assert main(["docs", str(real), str(sim), "--markers", "elsewhere"]) == 0
+    assert "<!-- elsewhere:begin -->" in capsys.readouterr().out
+    assert page.read_text() == "# the published page\n"
