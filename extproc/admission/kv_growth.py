@@ -29,7 +29,9 @@ asked for (s) and the page does not show is still to come:
 
 with prompt_i its prompt less the prefix blocks it shares with requests in flight here, decoded_i(s) = min(out_i,
 max(0, s - first_i) / d_i), and held(s) the scraped KV usage x capacity (the other sidecars' requests in it only
-lower the sum: never counted twice), plus the prompts of the requests the engine had not counted yet, which the
+lower the sum: never counted twice, though with several gateways they can hide what is still to come of this
+sidecar's; PG's remaining preemptions come from two gateways taking a replica's last place together instead,
+docs/benchmarks.md), plus the prompts of the requests the engine had not counted yet, which the
 placer counts as placed since the scrape (`Replica.on_scrape`'s carry). O(requests in flight), so read once per
 scrape (the placer keeps it). Without it, P9 with a cache of three long requests preempted: two 3,000-token prompts
 placed together, predicted prefilled in 0.3 s at the learned speed, showed 4,280 of their 6,304 tokens at the next
