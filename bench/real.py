@@ -59,7 +59,7 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
                 if sid in (m.get(k) or {}):
                     meta[k][sid] = m[k][sid]
             meta["measured"][sid] = {k: m.get(k) for k in ("command", "commit", "date", "quick", "seed", "backend")}
-        for k in ("systems", "backend", "quick", "seed", "preset"):
+        for k in ("systems", "backend", "quick", "seed", "preset", "sim_speed"):
             meta.setdefault(k, m.get(k))
     commits = sorted({v["commit"] for v in meta["measured"].values() if v.get("commit")})
     meta["commit"] = ",".join(commits) or "unknown"
@@ -195,6 +195,21 @@ def _preset_line(meta: dict[str, Any]) -> str:
             f"preset's capacity the two engines delivered side by side on this machine (`python -m bench.rig`).\n\n")
 
 
+def _sim_speed_line(sim_meta: dict[str, Any]) -> str:
+    """How fast the simulated replicas ran against the preset: at the rig's load scale (`sluice sim --speed`,
+    bench/backends.py SimBackend), or, in a file written before they did, at the preset's full speed."""
+    speed = sim_meta.get("sim_speed")
+    scale = (sim_meta.get("preset") or {}).get("load_scale", 1.0)
+    if speed is None and scale < 1.0:
+        return (f"The simulated replicas ran at the preset's full speed, while the loads were scaled by {scale} to "
+                "what the real engines delivered: they carried the same loads with room to spare.\n\n")
+    if speed is not None and speed < 1.0:
+        return (f"The simulated replicas run at {speed} of the preset's speed (`sluice sim --speed`), what the two "
+                "real engines delivered side by side, so both columns carry the same share of their engines' "
+                "capacity.\n\n")
+    return ""
+
+
 def section(real: dict[str, Any], sim: dict[str, Any], name: str = MARKERS,
             sources: tuple[str, str] = ("bench/results/real.json", "bench/results/real-sim.json")) -> str:
     """The generated part of docs/benchmarks.md's real-engine section (``sources``: the files it was made from)."""
@@ -212,7 +227,7 @@ def section(real: dict[str, Any], sim: dict[str, Any], name: str = MARKERS,
             f"{sources[1]}; do not edit by hand -->\n"
             f"Real engines (`--backend vllm-cpu`), commit `{rm.get('commit')}`:\n\n{runs}\n\n"
             f"Simulator (`{_preset_name(sm)}` replicas), commit `{sm.get('commit')}`:\n\n{sim_runs}\n\n"
-            f"{_preset_line(rm)}{seeds_line}"
+            f"{_preset_line(rm)}{_sim_speed_line(sm)}{seeds_line}"
             f"{comparison(real, sim)}{speed_table(real)}{errors}\n"
             f"Issue 16's bars on the real engines (`bench/bars.py` `real_bars`):\n\n"
             f"{bars_table(real)}{end}")

@@ -67,6 +67,25 @@ class CostModel:
             + self.kv_read_tok * kv_read
         )
 
+    def at_speed(self, speed: float) -> "CostModel":
+        """The same engine on hardware `speed` times as fast as the preset's: every engine-step cost and the API
+        server's work before the engine (`frontend`, `frontend_tok`) divided by `speed`; the abort and /metrics
+        costs stay as measured.
+
+        Why: make bench-real's real engines run two to a 2-core machine beside the clients, Envoy and the
+        gateway, and deliver `load_scale` of the preset's throughput there (bench/rig.py). Simulated replicas that
+        stand in for them in the same comparison run at that speed, or they carry the same load at about half
+        the utilisation and queue where the engines do not."""
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if speed == 1:
+            return self
+        k = 1.0 / speed
+        ctx = None if self.attn_ctx_pair is None else self.attn_ctx_pair * k
+        return replace(self, base=self.base * k, prefill_tok=self.prefill_tok * k, decode_seq=self.decode_seq * k,
+                       attn_pair=self.attn_pair * k, kv_read_tok=self.kv_read_tok * k, attn_ctx_pair=ctx,
+                       frontend=self.frontend * k, frontend_tok=self.frontend_tok * k)
+
     def metrics_latency(self, running: int, prefilling: int = 0) -> float:
         """Seconds one ``GET /metrics`` takes with ``running`` sequences in the engine."""
         return self.metrics_base + self.metrics_per_seq * running

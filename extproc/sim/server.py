@@ -22,7 +22,7 @@ import random
 import socket
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -56,6 +56,7 @@ class SimConfig:
     model: str = "sim-model"
     preset: str = "tiny-cpu"
     time_scale: float = 1.0  # >1 runs faster than the modelled hardware
+    speed: float = 1.0  # the hardware's speed relative to the preset's: engine steps take 1/speed of its time
     seed: int = 0
     num_gpu_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -142,6 +143,9 @@ class SimServer:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.block_size,
             mean_output_tokens=config.mean_output_tokens)
+        if config.speed <= 0:
+            raise SimError("--speed must be > 0")
+        self.preset = replace(self.preset, cost=self.preset.cost.at_speed(config.speed))
         p = self.preset
         if config.metrics_style not in ("vllm", "sglang"):
             raise SimError(f"unknown metrics style {config.metrics_style!r} (vllm or sglang)")
@@ -366,6 +370,7 @@ class SimServer:
             "port": self.port,
             "admin_port": self.admin_port,
             "time_scale": self.time_scale,
+            "speed": self.config.speed,
             "running": len(eng.running),
             "waiting": eng.waiting_in_engine(self._sim_now()),
             "kv_usage": eng.kv_usage(),

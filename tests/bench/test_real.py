@@ -99,6 +99,18 @@ def test_the_section_names_the_preset_and_the_machines_load_scale():
     assert merged["_meta"]["preset"] == preset
     text = section(merged, merged)
     assert "scaled by 0.27" in text and "fitted to vLLM 0.32.0 here" in text
+    assert "ran at the preset's full speed" in text  # a simulated run written before `--speed`
+
+
+def test_the_section_says_the_simulated_replicas_ran_at_the_rigs_speed():
+    preset = {"preset": "/x/preset.json", "name": "tiny-cpu", "description": "d", "load_scale": 0.477}
+    real, sim = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}}), _run("P3", "abc", {"sluice": {}})
+    real["_meta"]["preset"] = sim["_meta"]["preset"] = preset
+    sim["_meta"]["sim_speed"] = 0.477
+    merged_sim = merge([sim])
+    assert merged_sim["_meta"]["sim_speed"] == 0.477
+    text = section(merge([real]), merged_sim)
+    assert "run at 0.477 of the preset's speed" in text and "full speed" not in text
 
 
 def test_the_real_backend_warms_every_engine_with_each_shape_before_a_system_runs(monkeypatch, tmp_path: Path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import rig
-from bench.capacity import EngineSpec, _rig_load_scale, engine_capacity_rps
+from bench.capacity import LOAD_SCALE, EngineSpec, _rig_load_scale, engine_capacity_rps
 from bench.scenarios.base import MODEL
 from extproc.sim import SimConfig, start_sim
 
@@ -70,3 +70,18 @@ def test_the_probe_counts_completions_in_its_window_and_no_more_than_the_engines
     measured = asyncio.run(run())
     model = 2 * engine_capacity_rps(EngineSpec.of("tiny-cpu"), rig.PROMPT, rig.OUTPUT)
     assert 0 < measured <= 1.1 * model  # a repeated prompt (prefix cache) measured 1.5x the model
+
+
+def test_with_a_rig_the_simulated_replicas_run_at_its_speed_and_without_one_as_the_preset() -> None:
+    """make bench-real's simulated side: the same scaled loads on replicas as fast as the rig's engines were."""
+    from bench.backends import SimBackend
+    from bench.runner import policy_dict
+    from bench.scenarios import get_scenarios
+
+    sc = get_scenarios(["P9"])[0]
+    rigged, plain = policy_dict(sc, "sluice", 1), policy_dict(sc, "sluice", 1)
+    SimBackend(speed=0.477).prepare(sc, rigged)
+    SimBackend(speed=1.0).prepare(sc, plain)
+    assert rigged["simulator"]["extra_args"] == [*sc.sim_args, "--speed", "0.477"]
+    assert plain["simulator"]["extra_args"] == list(sc.sim_args)
+    assert SimBackend().speed == LOAD_SCALE  # the default: the rig of SLUICE_BENCH_RIG, 1.0 without one

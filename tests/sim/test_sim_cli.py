@@ -75,3 +75,9 @@ def test_fault_cli_reports_unreachable_admin() -> None:
     t0 = time.monotonic()
     assert cli.main(["fault", str(port), "hang", "--admin-port", str(free_port())]) == 1
     assert time.monotonic() - t0 < 10
+
+
+def test_speed_is_passed_to_the_simulator_and_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.build_parser().parse_args(["--port", "1", "--speed", "0.477"]).speed == 0.477
+    assert cli.main(["--port", str(free_port()), "--admin-port", "-1", "--speed", "0"]) == 2
+    assert "--speed must be > 0" in capsys.readouterr().err

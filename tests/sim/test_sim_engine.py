@@ -273,3 +273,18 @@ def test_cost_model_formula() -> None:
     c = CostModel(base=1.0, prefill_tok=2.0, decode_seq=3.0, attn_pair=4.0, kv_read_tok=5.0, frontend=0)
     assert c.step_seconds(10, 2, 7, 11) == 1 + 20 + 6 + 28 + 55
     assert RUNNING != WAITING
+
+
+def test_an_engine_at_half_the_speed_takes_twice_as_long_for_the_same_request() -> None:
+    """`sluice sim --speed 0.5`: every engine step and the API server's work before it cost twice the preset's
+    (a request alone: TTFT and finish time double); the /metrics and abort costs stay as measured."""
+    slow_cost = COST.at_speed(0.5)
+    fast, slow = Request("a", 1500, 20), Request("a", 1500, 20)
+    run_offline(make(), [(0.0, fast)])
+    run_offline(Engine(slow_cost, num_gpu_blocks=4096), [(0.0, slow)])
+    assert ttft(slow) == pytest.approx(2 * ttft(fast), rel=1e-9)
+    assert slow.last_token_at == pytest.approx(2 * fast.last_token_at, rel=1e-9)
+    assert (slow_cost.abort, slow_cost.metrics_base) == (COST.abort, COST.metrics_base)
+    assert COST.at_speed(1.0) is COST
+    with pytest.raises(ValueError, match="speed"):
+        COST.at_speed(0)
