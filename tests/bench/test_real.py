@@ -283,3 +283,29 @@ def test_the_comparison_without_a_page_is_printed_and_no_page_is_written(tmp_pat
     assert main(["docs", str(real), str(sim), "--markers", "elsewhere"]) == 0
     assert "<!-- elsewhere:begin -->" in capsys.readouterr().out
     assert page.read_text() == "# the published page\n"
+
+
+def test_fidelity_counts_the_engines_conclusions_and_the_typical_factor_off(tmp_path: Path, capsys):
+    """`python -m bench.real fidelity`: per simulated run, the rows with the engines' conclusion and
+    exp(median |ln(sim / real)|) over the values both have."""
+    from bench.real import agreement, main
+
+    real = {"P3": {"sluice": {"slo_goodput_rps": 4.0, "hol_slowdown": 1.0, "short_ttft_p95_s": 0.1},
+                   "envoy-rr": {"slo_goodput_rps": 2.0, "hol_slowdown": 10.0, "short_ttft_p95_s": 2.0}}}
+    near = {"P3": {"sluice": {"slo_goodput_rps": 4.0, "hol_slowdown": 2.0, "short_ttft_p95_s": 0.1},
+                   "envoy-rr": {"slo_goodput_rps": 2.0, "hol_slowdown": 10.0, "short_ttft_p95_s": 2.0}}}
+    far = {"P3": {"sluice": {"slo_goodput_rps": 2.0, "hol_slowdown": 4.0, "short_ttft_p95_s": 0.6},
+                  "envoy-rr": {"slo_goodput_rps": 8.0, "hol_slowdown": 2.5, "short_ttft_p95_s": 0.5}}}
+    assert agreement(real, near) == (3, 3) and agreement(real, far) == (0, 3)
+    files = []
+    for name, data in (("real", real), ("near", near), ("far", far)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(data))
+    out = tmp_path / "fidelity.md"
+    assert main(["fidelity", str(files[0]), f"near={files[1]}", f"far={files[2]}", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| near | 3 of 3 rows | 1.00x | 6 |" in text  # five values equal, one 2x off: the median is 1
+    assert "| far | 0 of 3 rows | 4.00x | 6 |" in text  # values 2x-6x off, four of them 4x
+    assert "| P3 | `hol_slowdown` | sluice | 1 | 2 | 4 |" in text
+    with pytest.raises(SystemExit):
+        main(["fidelity", str(files[0]), str(files[1])])  # a simulated run without its label
