@@ -307,5 +307,11 @@ def test_fidelity_counts_the_engines_conclusions_and_the_typical_factor_off(tmp_
     assert "| near | 3 of 3 rows | 1.00x | 6 |" in text  # five values equal, one 2x off: the median is 1
     assert "| far | 0 of 3 rows | 4.00x | 6 |" in text  # values 2x-6x off, four of them 4x
     assert "| P3 | `hol_slowdown` | sluice | 1 | 2 | 4 |" in text
+    page = tmp_path / "page.md"
+    page.write_text("before\n<!-- fid:begin -->\nold\n<!-- fid:end -->\nafter\n")
+    assert main(["fidelity", str(files[0]), f"near={files[1]}", "--docs", str(page), "--markers", "fid"]) == 0
+    written = page.read_text()
+    assert "| near | 3 of 3 rows | 1.00x | 6 |" in written and "old" not in written
+    assert "| P3 | `hol_slowdown`" not in written and written.endswith("<!-- fid:end -->\nafter\n")
     with pytest.raises(SystemExit):
         main(["fidelity", str(files[0]), str(files[1])])  # a simulated run without its label
