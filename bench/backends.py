@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.capacity import RIG_HOST_TOK_S
+from bench.capacity import RIG_HOST_REQ_S
 from bench.scenarios.base import MODEL, Scenario, set_text_scale
 
 REAL_SCENARIOS = ("P3", "P4", "P5", "P7", "P8", "P9", "PX")  # fit two small engines; `make bench-real`
@@ -91,17 +91,17 @@ class SimBackend:
     real = False
     pool_size: int | None = None  # the scenario's own replica count
 
-    def __init__(self, host_tax: float = RIG_HOST_TOK_S) -> None:
+    def __init__(self, host_tax: float = RIG_HOST_REQ_S) -> None:
         self.stack: Any = None
-        self.host_tax = host_tax  # engine seconds per generated token on a shared machine (`sluice sim --host-tax`)
+        self.host_tax = host_tax  # engine seconds per request on a shared machine (`sluice sim --host-tax`)
 
     def supports(self, sc: Scenario) -> bool:
         return True
 
     def prepare(self, sc: Scenario, data: dict[str, Any]) -> None:
-        """With a rig file (SLUICE_BENCH_RIG) the replicas pay the rig's host tax, `--host-tax host_tok_s`: the
+        """With a rig file (SLUICE_BENCH_RIG) the replicas pay the rig's host tax, `--host-tax host_req_s`: the
         simulated replicas of make bench-real's comparison stand in for real engines that share two cores with
-        their API servers, the clients and the gateway, and lose that much of their core per token they stream
+        their API servers, the clients and the gateway, and lose that much of their core per request
         (bench/rig.py). Without a rig file the tax is 0 and nothing is added."""
         if self.host_tax > 0:
             sim = data["simulator"]

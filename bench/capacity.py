@@ -70,25 +70,23 @@ def _rig_load_scale(path: str | None) -> float:
 LOAD_SCALE = _rig_load_scale(os.environ.get("SLUICE_BENCH_RIG"))
 
 
-def _rig_host_tok_s(path: str | None) -> float:
-    """The `host_tok_s` of a rig file (bench/rig.py), derived from its throughputs in a file written before the
+def _rig_host_req_s(path: str | None) -> float:
+    """The `host_req_s` of a rig file (bench/rig.py), derived from its throughputs in a file written before the
     field was; 0.0 without one (or without the throughputs)."""
     if not path:
         return 0.0
     with open(path) as f:
         rig = json.load(f)
-    if "host_tok_s" in rig:
-        return float(rig["host_tok_s"])
-    from bench.rig import host_tok_s
+    if "host_req_s" in rig:
+        return float(rig["host_req_s"])
+    from bench.rig import host_req_s
 
-    output = int((rig.get("request") or {}).get("output", 32))
-    return host_tok_s(float(rig.get("measured_rps", 0)), float(rig.get("model_rps", 0)), int(rig.get("engines", 2)),
-                      output)
+    return host_req_s(float(rig.get("measured_rps", 0)), float(rig.get("model_rps", 0)), int(rig.get("engines", 2)))
 
 
-# What each generated token costs a real engine's core on the rig beyond the preset's work (bench/rig.py): the
-# simulated replicas of make bench-real's comparison pay it (`sluice sim --host-tax`, bench/backends.py SimBackend).
-RIG_HOST_TOK_S = _rig_host_tok_s(os.environ.get("SLUICE_BENCH_RIG"))
+# What each request costs a real engine's core on the rig beyond the preset's work (bench/rig.py): the simulated
+# replicas of make bench-real's comparison pay it (`sluice sim --host-tax`, bench/backends.py SimBackend).
+RIG_HOST_REQ_S = _rig_host_req_s(os.environ.get("SLUICE_BENCH_RIG"))
 
 
 @dataclass(frozen=True)

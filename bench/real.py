@@ -198,15 +198,15 @@ def _preset_line(meta: dict[str, Any]) -> str:
 
 
 def _sim_speed_line(sim_meta: dict[str, Any]) -> str:
-    """What the simulated replicas paid for the rig's shared cores: a host tax per generated token (`sluice sim
+    """What the simulated replicas paid for the rig's shared cores: a host tax per request (`sluice sim
     --host-tax`, bench/rig.py), a uniform slow-down (`--speed`, tried before it), or, in a file written before
     either, nothing."""
     tax, speed = sim_meta.get("sim_host_tax_s"), sim_meta.get("sim_speed")
     scale = (sim_meta.get("preset") or {}).get("load_scale", 1.0)
     if tax:
-        return (f"The simulated replicas pay the rig's host tax, {tax} s of engine time per generated token "
-                "(`sluice sim --host-tax`, bench/rig.py): what streaming the answers through the clients and the "
-                "gateway took from the real engines' cores.\n\n")
+        return (f"The simulated replicas pay the rig's host tax, {tax} s of engine time per request (`sluice sim "
+                "--host-tax`, bench/rig.py): what the clients, the gateway and each request's HTTP and streaming "
+                "took from the real engines' cores.\n\n")
     if speed is not None and speed < 1.0:
         return (f"The simulated replicas ran at {speed} of the preset's speed (`sluice sim --speed`), what the two "
                 "real engines delivered side by side.\n\n")

@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the modelled hardware's speed relative to the preset's: every engine step takes 1/SPEED "
                          "of the preset's time (a machine whose engines share cores: its bench.rig load scale)")
     ap.add_argument("--host-tax", type=float, default=0.0, metavar="S",
-                    help="engine seconds each generated token costs the engine's core on a machine it shares with "
-                         "its clients and gateway (a step sampling N tokens takes N x S longer; bench.rig fits it)")
+                    help="engine seconds each request costs the engine's core on a machine it shares with its "
+                         "clients and gateway (the next step after its arrival takes S longer; bench.rig fits it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)

@@ -107,14 +107,14 @@ def test_the_section_says_what_the_simulated_replicas_paid_for_the_rigs_shared_c
     real = _run("P3", "abc", {"sluice": {"hol_slowdown": 1.0}})
     real["_meta"]["preset"] = preset
     texts = {}
-    for key, value in (("sim_host_tax_s", 0.000928), ("sim_speed", 0.477)):
+    for key, value in (("sim_host_tax_s", 0.0297), ("sim_speed", 0.477)):
         sim = _run("P3", "abc", {"sluice": {}})
         sim["_meta"]["preset"] = preset
         sim["_meta"][key] = value
         merged_sim = merge([sim])
         assert merged_sim["_meta"][key] == value
         texts[key] = section(merge([real]), merged_sim)
-    assert "pay the rig's host tax, 0.000928 s of engine time per generated token" in texts["sim_host_tax_s"]
+    assert "pay the rig's host tax, 0.0297 s of engine time per request" in texts["sim_host_tax_s"]
     assert "ran at 0.477 of the preset's speed" in texts["sim_speed"]
     assert not any("full speed" in t for t in texts.values())
 

@@ -290,27 +290,22 @@ def test_an_engine_at_half_the_speed_takes_twice_as_long_for_the_same_request() 
         COST.at_speed(0)
 
 
-def test_a_host_tax_lengthens_each_step_by_its_share_per_token_sampled() -> None:
-    """`sluice sim --host-tax S` (CostModel.host_tok): a step that samples N tokens takes N x S longer than the
-    preset's; a prefill chunk that samples none is not taxed; an engine without the tax is unchanged."""
+def test_a_host_tax_lengthens_the_step_after_each_arrival_by_its_share_once() -> None:
+    """`sluice sim --host-tax S` (CostModel.host_req): the first step after two arrivals is 2 x S longer than the
+    preset's, the step after it is not; an engine without the tax is unchanged."""
     from dataclasses import replace
 
-    taxed = Engine(replace(COST, host_tok=0.001), num_gpu_blocks=4096, max_num_batched_tokens=512)
-    plain = Engine(COST, num_gpu_blocks=4096, max_num_batched_tokens=512)
+    taxed = Engine(replace(COST, host_req=0.03), num_gpu_blocks=4096)
+    plain = make()
     for e in (taxed, plain):
-        e.add(Request("long", 1000, 4), 0.0)  # two chunks of 512 tokens: the first samples nothing
-        e.add(Request("b", 20, 4), 0.0)
-        e.add(Request("c", 20, 4), 0.0)
-        e.clock = 1.0  # every request past its frontend delay
-    durations = []
-    for e in (taxed, plain):
-        steps = []
-        while (step := e.schedule()) is not None and len(steps) < 3:
-            steps.append((step.duration, step.samples))
-            e.complete(step)
-        durations.append(steps)
-    (t0, s0), (t1, s1), (t2, s2) = durations[0]
-    (p0, _), (p1, _), (p2, _) = durations[1]
-    assert s0 == 0 and t0 == pytest.approx(p0, rel=1e-9)
-    assert s1 >= 1 and t1 == pytest.approx(p1 + 0.001 * s1, rel=1e-9)
-    assert s2 >= 2 and t2 == pytest.approx(p2 + 0.001 * s2, rel=1e-9)
+        e.add(Request("a", 500, 4), 0.0)
+        e.add(Request("b", 500, 4), 0.0)
+        e.clock = 1.0  # both past their frontend delay
+    first_t, first_p = taxed.schedule(), plain.schedule()
+    assert first_t is not None and first_p is not None
+    assert first_t.duration == pytest.approx(first_p.duration + 0.06, rel=1e-9)
+    taxed.complete(first_t)
+    plain.complete(first_p)
+    second_t, second_p = taxed.schedule(), plain.schedule()
+    assert second_t is not None and second_p is not None
+    assert second_t.duration == pytest.approx(second_p.duration, rel=1e-9)
