@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.capacity import RIG_HOST_REQ_S
+from bench.capacity import LOAD_SCALE
 from bench.scenarios.base import MODEL, Scenario, set_text_scale
 
 REAL_SCENARIOS = ("P3", "P4", "P5", "P7", "P8", "P9", "PX")  # fit two small engines; `make bench-real`
@@ -91,21 +91,21 @@ class SimBackend:
     real = False
     pool_size: int | None = None  # the scenario's own replica count
 
-    def __init__(self, host_tax: float = RIG_HOST_REQ_S) -> None:
+    def __init__(self, speed: float = LOAD_SCALE) -> None:
         self.stack: Any = None
-        self.host_tax = host_tax  # engine seconds per request on a shared machine (`sluice sim --host-tax`)
+        self.speed = speed  # the simulated hardware's speed relative to the preset's (`sluice sim --speed`)
 
     def supports(self, sc: Scenario) -> bool:
         return True
 
     def prepare(self, sc: Scenario, data: dict[str, Any]) -> None:
-        """With a rig file (SLUICE_BENCH_RIG) the replicas pay the rig's host tax, `--host-tax host_req_s`: the
-        simulated replicas of make bench-real's comparison stand in for real engines that share two cores with
-        their API servers, the clients and the gateway, and lose that much of their core per request
-        (bench/rig.py). Without a rig file the tax is 0 and nothing is added."""
-        if self.host_tax > 0:
+        """With a rig file (SLUICE_BENCH_RIG) the replicas run at the rig's speed, `--speed load_scale`: the
+        scenarios' loads are scaled to what the rig's real engines deliver side by side (bench/capacity.py), and
+        the simulated replicas stand in for those engines, so both sides of make bench-real's comparison carry
+        the same share of their engines' capacity. Without a rig file the speed is 1 and nothing is added."""
+        if self.speed != 1.0:
             sim = data["simulator"]
-            sim["extra_args"] = [*sim.get("extra_args", []), "--host-tax", f"{self.host_tax:g}"]
+            sim["extra_args"] = [*sim.get("extra_args", []), "--speed", f"{self.speed:g}"]
 
     def attach(self, stack: Any) -> None:
         self.stack = stack

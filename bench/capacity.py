@@ -70,25 +70,6 @@ def _rig_load_scale(path: str | None) -> float:
 LOAD_SCALE = _rig_load_scale(os.environ.get("SLUICE_BENCH_RIG"))
 
 
-def _rig_host_req_s(path: str | None) -> float:
-    """The `host_req_s` of a rig file (bench/rig.py), derived from its throughputs in a file written before the
-    field was; 0.0 without one (or without the throughputs)."""
-    if not path:
-        return 0.0
-    with open(path) as f:
-        rig = json.load(f)
-    if "host_req_s" in rig:
-        return float(rig["host_req_s"])
-    from bench.rig import host_req_s
-
-    return host_req_s(float(rig.get("measured_rps", 0)), float(rig.get("model_rps", 0)), int(rig.get("engines", 2)))
-
-
-# What each request costs a real engine's core on the rig beyond the preset's work (bench/rig.py): the simulated
-# replicas of make bench-real's comparison pay it (`sluice sim --host-tax`, bench/backends.py SimBackend).
-RIG_HOST_REQ_S = _rig_host_req_s(os.environ.get("SLUICE_BENCH_RIG"))
-
-
 @dataclass(frozen=True)
 class EngineSpec:
     """The engine a scenario runs: a preset plus the `sluice sim` flags that change its limits."""

@@ -61,7 +61,7 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
                 if sid in (m.get(k) or {}):
                     meta[k][sid] = m[k][sid]
             meta["measured"][sid] = {k: m.get(k) for k in ("command", "commit", "date", "quick", "seed", "backend")}
-        for k in ("systems", "backend", "quick", "seed", "preset", "sim_speed", "sim_host_tax_s"):
+        for k in ("systems", "backend", "quick", "seed", "preset", "sim_speed"):
             meta.setdefault(k, m.get(k))
     commits = sorted({v["commit"] for v in meta["measured"].values() if v.get("commit")})
     meta["commit"] = ",".join(commits) or "unknown"
@@ -198,21 +198,17 @@ def _preset_line(meta: dict[str, Any]) -> str:
 
 
 def _sim_speed_line(sim_meta: dict[str, Any]) -> str:
-    """What the simulated replicas paid for the rig's shared cores: a host tax per request (`sluice sim
-    --host-tax`, bench/rig.py), a uniform slow-down (`--speed`, tried before it), or, in a file written before
-    either, nothing."""
-    tax, speed = sim_meta.get("sim_host_tax_s"), sim_meta.get("sim_speed")
+    """How fast the simulated replicas ran against the preset: at the rig's load scale (`sluice sim --speed`,
+    bench/backends.py SimBackend), or, in a file written before they did, at the preset's full speed."""
+    speed = sim_meta.get("sim_speed")
     scale = (sim_meta.get("preset") or {}).get("load_scale", 1.0)
-    if tax:
-        return (f"The simulated replicas pay the rig's host tax, {tax} s of engine time per request (`sluice sim "
-                "--host-tax`, bench/rig.py): what the clients, the gateway and each request's HTTP and streaming "
-                "took from the real engines' cores.\n\n")
-    if speed is not None and speed < 1.0:
-        return (f"The simulated replicas ran at {speed} of the preset's speed (`sluice sim --speed`), what the two "
-                "real engines delivered side by side.\n\n")
-    if scale < 1.0:
+    if speed is None and scale < 1.0:
         return (f"The simulated replicas ran at the preset's full speed, while the loads were scaled by {scale} to "
                 "what the real engines delivered: they carried the same loads with room to spare.\n\n")
+    if speed is not None and speed < 1.0:
+        return (f"The simulated replicas run at {speed} of the preset's speed (`sluice sim --speed`), what the two "
+                "real engines delivered side by side, so both columns carry the same share of their engines' "
+                "capacity.\n\n")
     return ""
 
 

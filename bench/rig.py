@@ -18,18 +18,6 @@ after `WARMUP_S`; the completions per second in the window are the machine's thr
 `capacity_rps` multiplies by it when `SLUICE_BENCH_RIG` names the file (bench/capacity.py), so every scenario's
 load is the same share of what the machine delivers; the simulated runs of the same preset (make bench-real's
 `sim` batches) use the same loads.
-
-The same measurement says what each request costs an engine's core beyond the preset's work, the host tax that
-the simulated replicas of those batches pay (`sluice sim --host-tax`, CostModel.host_req):
-
-    host_req_s = max(0, engines / measured completions/s - engines / model completions/s)
-
-one saturated engine's time per request, measured less modelled. The loss is charged per request, not as a
-slower engine: a request's HTTP, tokenization and streaming, the clients and the gateway take CPU from the
-engines' cores in proportion to the request rate, so a light load of long prompts (P3, P7) runs on the engines at
-about the preset's speed and a fast stream of requests (PX, P8) at well under it. A uniform slow-down by the load
-scale (`sluice sim --speed`) was tried: it matched PX and P8 and made P3's and P7's long prompts twice as slow
-as on the engines.
 """
 
 from __future__ import annotations
@@ -89,13 +77,6 @@ def load_scale(measured_rps: float, model_rps: float) -> float:
     return round(min(1.0, measured_rps / model_rps), 3) if model_rps > 0 else 1.0
 
 
-def host_req_s(measured_rps: float, model_rps: float, engines: int = ENGINES) -> float:
-    """Seconds of a saturated engine's time per request beyond the preset's (the module docstring's formula)."""
-    if measured_rps <= 0 or model_rps <= 0:
-        return 0.0
-    return round(max(0.0, engines / measured_rps - engines / model_rps), 5)
-
-
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from bench import vllm_cpu
     from bench.backends import MODEL, VllmBackend
@@ -119,7 +100,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "request": {"prompt": PROMPT, "output": OUTPUT},
             "engines": ENGINES, "streams_per_engine": STREAMS_PER_ENGINE, "window_s": WINDOW_S,
             "measured_rps": round(measured, 2), "model_rps": round(model, 2),
-            "load_scale": load_scale(measured, model), "host_req_s": host_req_s(measured, model),
+            "load_scale": load_scale(measured, model),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -133,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     out = _measure(args)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{args.json}: the engines delivered {out['measured_rps']} completions/s of {PROMPT}+{OUTPUT}-token "
-          f"requests where the preset gives {out['model_rps']}: load scale {out['load_scale']}, host tax "
-          f"{out['host_req_s']} s per request")
+          f"requests where the preset gives {out['model_rps']}: load scale {out['load_scale']}")
     return 0
 
 

@@ -697,7 +697,7 @@ def run_scenarios(names: list[str | Scenario], systems: list[str], quick: bool, 
                             "systems": systems, "time_scale": {}, "errors": {}, "sluice_policy": {},
                             "baselines": {}, "reproduced_by": {}, "backend": backend.name, "skipped": {},
                             "replicas": {sc.id: sc.replicas for sc in scenarios},
-                            "preset": preset_meta(), "sim_host_tax_s": getattr(backend, "host_tax", None)}
+                            "preset": preset_meta(), "sim_speed": getattr(backend, "speed", None)}
     workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     t_all = time.monotonic()
     turn = 0  # the place of the first system in the next scenario's order (`system_order`)

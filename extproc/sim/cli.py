@@ -41,9 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speed", type=float, default=1.0,
                     help="the modelled hardware's speed relative to the preset's: every engine step takes 1/SPEED "
                          "of the preset's time (a machine whose engines share cores: its bench.rig load scale)")
-    ap.add_argument("--host-tax", type=float, default=0.0, metavar="S",
-                    help="engine seconds each request costs the engine's core on a machine it shares with its "
-                         "clients and gateway (the next step after its arrival takes S longer; bench.rig fits it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-gpu-blocks", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
@@ -104,8 +101,7 @@ def _serve_main(argv: list[str]) -> int:
         print(f"sim: {e}", file=sys.stderr)
         return 2
     cfg = SimConfig(host=args.host, port=args.port, name=args.name, model=args.model,
-                    preset=args.preset, time_scale=args.time_scale, speed=args.speed, host_tax=args.host_tax,
-                    seed=args.seed,
+                    preset=args.preset, time_scale=args.time_scale, speed=args.speed, seed=args.seed,
                     num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, block_size=args.block_size,

@@ -265,7 +265,6 @@ class Engine:
         self.running: list[Request] = []
         self.clock = 0.0
         self.slow_factor = 1.0  # the `slow` fault: every step this many times longer
-        self.host_debt = 0.0  # host_req seconds of the requests that arrived since the last step, not yet paid
         self.stats = EngineStats(time_scale=time_scale)
         self._by_id: dict[str, Request] = {}
 
@@ -309,7 +308,6 @@ class Engine:
         req.status = WAITING
         self.waiting.append(req)
         self._by_id[req.rid] = req
-        self.host_debt += self.cost.host_req
 
     def abort(self, rid_or_req: str | Request) -> bool:
         """Abort a request now: its blocks are free before the next step is planned."""
@@ -496,9 +494,7 @@ class Engine:
             # Everything running was preempted (the first request could not grow): plan again,
             # this time from the waiting queue, rather than stalling for a step.
             return self.schedule() if preempted else None
-        duration = (self.cost.step_seconds(prefill, samples, pairs, kv_read, ctx_pairs) + self.host_debt) \
-            * self.slow_factor
-        self.host_debt = 0.0
+        duration = self.cost.step_seconds(prefill, samples, pairs, kv_read, ctx_pairs) * self.slow_factor
         return Step(now, duration, items, prefill, samples)
 
     def complete(self, step: Step) -> list[Request]:

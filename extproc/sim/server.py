@@ -57,7 +57,6 @@ class SimConfig:
     preset: str = "tiny-cpu"
     time_scale: float = 1.0  # >1 runs faster than the modelled hardware
     speed: float = 1.0  # the hardware's speed relative to the preset's: engine steps take 1/speed of its time
-    host_tax: float = 0.0  # engine seconds each request costs a core shared with the machine (CostModel.host_req)
     seed: int = 0
     num_gpu_blocks: int | None = None
     max_num_seqs: int | None = None
@@ -146,12 +145,7 @@ class SimServer:
             mean_output_tokens=config.mean_output_tokens)
         if config.speed <= 0:
             raise SimError("--speed must be > 0")
-        if config.host_tax < 0:
-            raise SimError("--host-tax must be >= 0")
-        cost = self.preset.cost.at_speed(config.speed)
-        if config.host_tax:
-            cost = replace(cost, host_req=config.host_tax)
-        self.preset = replace(self.preset, cost=cost)
+        self.preset = replace(self.preset, cost=self.preset.cost.at_speed(config.speed))
         p = self.preset
         if config.metrics_style not in ("vllm", "sglang"):
             raise SimError(f"unknown metrics style {config.metrics_style!r} (vllm or sglang)")
@@ -377,7 +371,6 @@ class SimServer:
             "admin_port": self.admin_port,
             "time_scale": self.time_scale,
             "speed": self.config.speed,
-            "host_tax": self.preset.cost.host_req,
             "running": len(eng.running),
             "waiting": eng.waiting_in_engine(self._sim_now()),
             "kv_usage": eng.kv_usage(),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import rig
-from bench.capacity import RIG_HOST_REQ_S, EngineSpec, _rig_host_req_s, _rig_load_scale, engine_capacity_rps
+from bench.capacity import LOAD_SCALE, EngineSpec, _rig_load_scale, engine_capacity_rps
 from bench.scenarios.base import MODEL
 from extproc.sim import SimConfig, start_sim
 
@@ -72,30 +72,16 @@ def test_the_probe_counts_completions_in_its_window_and_no_more_than_the_engines
     assert 0 < measured <= 1.1 * model  # a repeated prompt (prefix cache) measured 1.5x the model
 
 
-def test_with_a_rig_the_simulated_replicas_pay_its_host_tax_and_without_one_nothing() -> None:
-    """make bench-real's simulated side: the same scaled loads on replicas that lose what the rig's engines lost
-    per request."""
+def test_with_a_rig_the_simulated_replicas_run_at_its_speed_and_without_one_as_the_preset() -> None:
+    """make bench-real's simulated side: the same scaled loads on replicas as fast as the rig's engines were."""
     from bench.backends import SimBackend
     from bench.runner import policy_dict
     from bench.scenarios import get_scenarios
 
     sc = get_scenarios(["P9"])[0]
     rigged, plain = policy_dict(sc, "sluice", 1), policy_dict(sc, "sluice", 1)
-    SimBackend(host_tax=0.0297).prepare(sc, rigged)
-    SimBackend(host_tax=0.0).prepare(sc, plain)
-    assert rigged["simulator"]["extra_args"] == [*sc.sim_args, "--host-tax", "0.0297"]
+    SimBackend(speed=0.477).prepare(sc, rigged)
+    SimBackend(speed=1.0).prepare(sc, plain)
+    assert rigged["simulator"]["extra_args"] == [*sc.sim_args, "--speed", "0.477"]
     assert plain["simulator"]["extra_args"] == list(sc.sim_args)
-    assert SimBackend().host_tax == RIG_HOST_REQ_S  # the default: the rig of SLUICE_BENCH_RIG, 0 without one
-
-
-def test_the_host_tax_is_a_saturated_engines_time_per_request_measured_less_modelled(tmp_path: Path) -> None:
-    # two engines: 35.25 completions/s measured where the preset gives 73.95 -> 2/35.25 - 2/73.95 s per request
-    assert rig.host_req_s(35.25, 73.95) == pytest.approx(0.02969, abs=1e-5)
-    assert rig.host_req_s(80.0, 73.95) == 0.0  # a machine faster than the model pays nothing
-    assert rig.host_req_s(0.0, 73.95) == 0.0
-    old = tmp_path / "rig.json"  # written before the field: derived from its throughputs
-    old.write_text(json.dumps({"load_scale": 0.477, "measured_rps": 35.25, "model_rps": 73.95, "engines": 2}))
-    assert _rig_host_req_s(str(old)) == pytest.approx(0.02969, abs=1e-5)
-    new = tmp_path / "rig-new.json"
-    new.write_text(json.dumps({"load_scale": 0.5, "measured_rps": 1, "model_rps": 2, "host_req_s": 0.01}))
-    assert _rig_host_req_s(str(new)) == 0.01 and _rig_host_req_s(None) == 0.0
+    assert SimBackend().speed == LOAD_SCALE  # the default: the rig of SLUICE_BENCH_RIG, 1.0 without one

@@ -81,6 +81,3 @@ def test_speed_is_passed_to_the_simulator_and_must_be_positive(capsys: pytest.Ca
     assert cli.build_parser().parse_args(["--port", "1", "--speed", "0.477"]).speed == 0.477
     assert cli.main(["--port", str(free_port()), "--admin-port", "-1", "--speed", "0"]) == 2
     assert "--speed must be > 0" in capsys.readouterr().err
-    assert cli.build_parser().parse_args(["--port", "1", "--host-tax", "0.03"]).host_tax == 0.03
-    assert cli.main(["--port", str(free_port()), "--admin-port", "-1", "--host-tax", "-1"]) == 2
-    assert "--host-tax must be >= 0" in capsys.readouterr().err

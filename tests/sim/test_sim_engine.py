@@ -288,24 +288,3 @@ def test_an_engine_at_half_the_speed_takes_twice_as_long_for_the_same_request() 
     assert COST.at_speed(1.0) is COST
     with pytest.raises(ValueError, match="speed"):
         COST.at_speed(0)
-
-
-def test_a_host_tax_lengthens_the_step_after_each_arrival_by_its_share_once() -> None:
-    """`sluice sim --host-tax S` (CostModel.host_req): the first step after two arrivals is 2 x S longer than the
-    preset's, the step after it is not; an engine without the tax is unchanged."""
-    from dataclasses import replace
-
-    taxed = Engine(replace(COST, host_req=0.03), num_gpu_blocks=4096)
-    plain = make()
-    for e in (taxed, plain):
-        e.add(Request("a", 500, 4), 0.0)
-        e.add(Request("b", 500, 4), 0.0)
-        e.clock = 1.0  # both past their frontend delay
-    first_t, first_p = taxed.schedule(), plain.schedule()
-    assert first_t is not None and first_p is not None
-    assert first_t.duration == pytest.approx(first_p.duration + 0.06, rel=1e-9)
-    taxed.complete(first_t)
-    plain.complete(first_p)
-    second_t, second_p = taxed.schedule(), plain.schedule()
-    assert second_t is not None and second_p is not None
-    assert second_t.duration == pytest.approx(second_p.duration, rel=1e-9)
