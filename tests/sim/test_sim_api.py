@@ -304,3 +304,22 @@ async def test_several_sims_in_one_loop_have_their_own_metrics(sim_factory, http
     async with http.get(b.url + "/metrics") as r:
         assert "vllm:generation_tokens_total{engine=\"0\",model_name=\"sim-model\"} 0.0" in await r.text()
     assert isinstance(http, aiohttp.ClientSession)
+
+
+async def test_a_replica_at_half_speed_serves_a_request_in_twice_the_engine_time(sim_factory, http) -> None:
+    """`sluice sim --speed 0.5` (what make bench-real passes for its rig): the replica's engine runs the preset's
+    costs doubled, says so in its state, and the same request alone takes twice as long from its arrival to its
+    last token (vllm:e2e_request_latency_seconds, the simulated clock; within 10 % for the event loop's lag)."""
+    fast = await sim_factory(time_scale=20, seed=3)
+    slow = await sim_factory(time_scale=20, seed=3, speed=0.5)
+    assert slow.state()["speed"] == 0.5 and fast.state()["speed"] == 1.0
+    assert slow.engine.cost.decode_seq == pytest.approx(2 * fast.engine.cost.decode_seq)
+    spans = []
+    for sim in (fast, slow):
+        async with http.post(sim.url + "/v1/chat/completions", json=chat_body("x " * 600, max_tokens=16)) as r:
+            assert r.status == 200
+            await r.json()
+        e2e = sim.engine.stats.e2e
+        assert e2e.count == 1
+        spans.append(e2e.sum)
+    assert spans[1] == pytest.approx(2 * spans[0], rel=0.1)
