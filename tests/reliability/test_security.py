@@ -145,9 +145,14 @@ def test_api_keys_never_reach_logs_or_metrics(auth_stack: Stack) -> None:
 # ---- a plain stack: pinning headers, loopback, no prompt text, cardinality ----------------------------------
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # a quick prompt-shift detector, so a shift event (which logs) happens during the leak test
+    # A quick prompt-shift detector, so a shift event (which logs) happens during the leak test. The token
+    # calibration is off: its warm-up follows the engines' counts at whichever scrape catches them, and a new
+    # calibration epoch between the leak test's short and long prompts made the detector learn its baseline again
+    # from the long ones (no event, about 1 run in 8); the calibration's epochs have their own tests
+    # (tests/budgets/test_prompt_shift.py, tests/admission/test_token_calibration.py).
     with running_stack(tmp_path_factory.mktemp("sec"), {"budgets": {"prompt_shift": {
-            "baseline_requests": 3, "sustain_requests": 2, "threshold": 0.3}}}) as s:
+            "baseline_requests": 3, "sustain_requests": 2, "threshold": 0.3}},
+            "admission": {"calibrate_prompt_tokens": False}}) as s:
         yield s
 
 
