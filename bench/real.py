@@ -25,12 +25,13 @@ import re
 import shlex
 import statistics
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from bench.backends import PROBE_TOKENS
 from bench.bars import BASELINES, real_bars, repetitions
 from bench.report import fmt, metric_docs
 from bench.scenarios import get_scenarios
+from bench.scenarios.base import Scenario
 
 MARKERS = "real-engines"
 
@@ -100,28 +101,32 @@ def cell(metrics: dict[str, Any], key: str, number: Callable[[Any], str] = fmt) 
     return f"{text} [{', '.join(number(v) for v in values)}]" if values else text
 
 
-def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
-    """Markdown: per scenario and headline metric, every system on the real engines, then sluice vs the best
-    baseline on the real engines and on the simulator, and whether the two conclusions agree."""
-    ids = [k for k in real if not k.startswith("_")]
-    systems = [s for s in (*BASELINES, "sluice")]
-    lines = ["| scenario | metric | " + " | ".join(f"real {s}" for s in systems)
-             + " | real: sluice vs best baseline | simulator: sluice vs best baseline | same conclusion |",
-             "|---|---|" + "---|" * len(systems) + "---|---|---|"]
-    for sc in get_scenarios(ids):
+def headline_rows(real: dict[str, Any]) -> Iterator[tuple[Scenario, str, str, str, bool]]:
+    """(scenario, metric, better, unit, first of its scenario) for every headline metric of the scenarios in
+    `real`, SLO goodput first: the rows `comparison`, `agreement` and `fidelity` judge."""
+    for sc in get_scenarios([k for k in real if not k.startswith("_")]):
         docs = metric_docs(sc)
         keys = ["slo_goodput_rps"] + [k for k in sc.headline if k != "slo_goodput_rps"]
         for i, key in enumerate(keys):
             m = docs.get(key)
-            better = m.better if m else "lower"
-            unit = f" ({m.unit})" if m and m.unit else ""
-            r_row, s_row = real.get(sc.id) or {}, sim.get(sc.id) or {}
-            cells = " | ".join(cell(r_row.get(s) or {}, key) for s in systems)
-            rw, rm, rb = winner(r_row, key, better)
-            sw, sm, sb = winner(s_row, key, better)
-            agree = "n/a" if rw is None or sw is None else ("yes" if rw == sw else "**no**")
-            lines.append(f"| {sc.id if i == 0 else ''} | `{key}`{unit} ({better}) | {cells} | "
-                         f"{fmt(rm)} vs {fmt(rb)}: {rw or 'n/a'} | {fmt(sm)} vs {fmt(sb)}: {sw or 'n/a'} | {agree} |")
+            yield sc, key, m.better if m else "lower", m.unit if m else "", i == 0
+
+
+def comparison(real: dict[str, Any], sim: dict[str, Any]) -> str:
+    """Markdown: per scenario and headline metric, every system on the real engines, then sluice vs the best
+    baseline on the real engines and on the simulator, and whether the two conclusions agree."""
+    systems = [s for s in (*BASELINES, "sluice")]
+    lines = ["| scenario | metric | " + " | ".join(f"real {s}" for s in systems)
+             + " | real: sluice vs best baseline | simulator: sluice vs best baseline | same conclusion |",
+             "|---|---|" + "---|" * len(systems) + "---|---|---|"]
+    for sc, key, better, unit, first in headline_rows(real):
+        r_row, s_row = real.get(sc.id) or {}, sim.get(sc.id) or {}
+        cells = " | ".join(cell(r_row.get(s) or {}, key) for s in systems)
+        rw, rm, rb = winner(r_row, key, better)
+        sw, sm, sb = winner(s_row, key, better)
+        agree = "n/a" if rw is None or sw is None else ("yes" if rw == sw else "**no**")
+        lines.append(f"| {sc.id if first else ''} | `{key}`{f' ({unit})' if unit else ''} ({better}) | {cells} | "
+                     f"{fmt(rm)} vs {fmt(rb)}: {rw or 'n/a'} | {fmt(sm)} vs {fmt(sb)}: {sw or 'n/a'} | {agree} |")
     return "\n".join(lines) + "\n"
 
 
@@ -264,48 +269,44 @@ def write_docs(docs: Path, text: str, name: str = MARKERS) -> None:
 def agreement(real: dict[str, Any], sim: dict[str, Any]) -> tuple[int, int]:
     """(rows where the simulator's conclusion is the real engines', rows both can judge) of `comparison`."""
     same = judged = 0
-    for sc in get_scenarios([k for k in real if not k.startswith("_")]):
-        docs = metric_docs(sc)
-        for key in ["slo_goodput_rps"] + [k for k in sc.headline if k != "slo_goodput_rps"]:
-            better = docs[key].better if key in docs else "lower"
-            rw = winner(real.get(sc.id) or {}, key, better)[0]
-            sw = winner(sim.get(sc.id) or {}, key, better)[0]
-            if rw is not None and sw is not None:
-                judged += 1
-                same += rw == sw
+    for sc, key, better, _unit, _first in headline_rows(real):
+        rw = winner(real.get(sc.id) or {}, key, better)[0]
+        sw = winner(sim.get(sc.id) or {}, key, better)[0]
+        if rw is not None and sw is not None:
+            judged += 1
+            same += rw == sw
     return same, judged
 
 
-def fidelity(real: dict[str, Any], sims: list[tuple[str, dict[str, Any]]]) -> str:
-    """Markdown: how near each simulated run comes to the real engines. Per simulated run, the rows of `comparison`
-    with the real engines' conclusion and the typical factor between its values and the real ones,
+def fidelity(real: dict[str, Any], sims: list[tuple[str, dict[str, Any]]]) -> tuple[str, str]:
+    """Markdown: how near each simulated run comes to the real engines, as (summary, values). The summary has, per
+    simulated run, the rows of `comparison` with the real engines' conclusion and the typical factor between its
+    values and the real ones,
 
         factor = exp(median over (scenario, headline metric, system) of |ln(simulated / real)|)
 
-    over the values both have above 0; then every such value side by side (medians over repetitions)."""
-    pairs: dict[str, list[float]] = {label: [] for label, _ in sims}
-    rows = []
-    for sc in get_scenarios([k for k in real if not k.startswith("_")]):
-        for key in ["slo_goodput_rps"] + [k for k in sc.headline if k != "slo_goodput_rps"]:
-            for system in (*BASELINES, "sluice"):
-                rv = ((real.get(sc.id) or {}).get(system) or {}).get(key)
-                cells = []
-                for label, data in sims:
-                    sv = ((data.get(sc.id) or {}).get(system) or {}).get(key)
-                    if isinstance(rv, (int, float)) and isinstance(sv, (int, float)) and rv > 0 and sv > 0:
-                        pairs[label].append(abs(math.log(sv / rv)))
-                    cells.append(fmt(sv))
-                rows.append(f"| {sc.id} | `{key}` | {system} | {fmt(rv)} | " + " | ".join(cells) + " |")
-    head = ["| simulated run | same conclusion as the engines | typical factor off | values compared |",
-            "|---|---|---|---|"]
+    over the values both have above 0; the values table has every such value side by side (medians over
+    repetitions)."""
+    logs: dict[str, list[float]] = {label: [] for label, _ in sims}
+    rows = ["| scenario | metric | system | real | " + " | ".join(label for label, _ in sims) + " |",
+            "|---|---|---|---|" + "---|" * len(sims)]
+    for sc, key, _better, _unit, _first in headline_rows(real):
+        for system in (*BASELINES, "sluice"):
+            rv = ((real.get(sc.id) or {}).get(system) or {}).get(key)
+            cells = []
+            for label, data in sims:
+                sv = ((data.get(sc.id) or {}).get(system) or {}).get(key)
+                if isinstance(rv, (int, float)) and isinstance(sv, (int, float)) and rv > 0 and sv > 0:
+                    logs[label].append(abs(math.log(sv / rv)))
+                cells.append(fmt(sv))
+            rows.append(f"| {sc.id} | `{key}` | {system} | {fmt(rv)} | " + " | ".join(cells) + " |")
+    summary = ["| simulated run | same conclusion as the engines | typical factor off | values compared |",
+               "|---|---|---|---|"]
     for label, data in sims:
         same, judged = agreement(real, data)
-        logs = pairs[label]
-        factor = f"{math.exp(statistics.median(logs)):.2f}x" if logs else "n/a"
-        head.append(f"| {label} | {same} of {judged} rows | {factor} | {len(logs)} |")
-    table = ["| scenario | metric | system | real | " + " | ".join(label for label, _ in sims) + " |",
-             "|---|---|---|---|" + "---|" * len(sims)]
-    return "\n".join(head) + "\n\n" + "\n".join(table + rows) + "\n"
+        factor = f"{math.exp(statistics.median(logs[label])):.2f}x" if logs[label] else "n/a"
+        summary.append(f"| {label} | {same} of {judged} rows | {factor} | {len(logs[label])} |")
+    return "\n".join(summary) + "\n", "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,12 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("each simulated run is LABEL=FILE")
         sims = [(s.split("=", 1)[0], json.loads(Path(s.split("=", 1)[1]).read_text())) for s in args.sims]
         stamp = f"<!-- generated by `python -m bench.real fidelity {args.real} {shlex.join(args.sims)}` -->\n"
-        text = stamp + fidelity(json.loads(Path(args.real).read_text()), sims)
+        summary, values = fidelity(json.loads(Path(args.real).read_text()), sims)
+        text = f"{stamp}{summary}\n{values}"
         if args.out:
             Path(args.out).write_text(text)
         if args.docs:
             begin, end = markers(args.markers)
-            write_docs(Path(args.docs), f"{begin}\n{text.split(chr(10) + chr(10))[0]}\n{end}", args.markers)
+            write_docs(Path(args.docs), f"{begin}\n{stamp}{summary}{end}", args.markers)
         print(text)
         return 0
     if args.cmd == "merge":

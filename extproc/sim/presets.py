@@ -75,7 +75,9 @@ class CostModel:
         Why: make bench-real's real engines run two to a 2-core machine beside the clients, Envoy and the
         gateway, and deliver `load_scale` of the preset's throughput there (bench/rig.py). Simulated replicas that
         stand in for them in the same comparison run at that speed, or they carry the same load at about half
-        the utilisation and queue where the engines do not."""
+        the utilisation and queue where the engines do not. A uniform speed is an approximation: on those engines a
+        light load of long prompts runs at about the preset's speed (docs/benchmarks.md, "The simulated column on
+        the rig's shared cores")."""
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if speed == 1:
