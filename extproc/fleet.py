@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from extproc.discovery import EndpointDiff
     from extproc.routing.shared_load import View
+    from extproc.routing.turns import Turns
 
 FreshTest = Callable[[Replica, float], bool]
 
@@ -45,6 +46,7 @@ class Fleet:
         self.health: dict[str, HealthTracker] = {}
         self.schedulers: dict[str, Scheduler] = {}
         self.on_removed: list[Callable[[Replica], object]] = []  # called for each replica that left its pool
+        self.turns: Turns | None = None  # several gateways sharing the pools: whose the last places are
         self.rebuild(policy, {p.model: Pool.from_config(p) for p in policy.pools})
 
     def rebuild(self, policy: Policy, pools: dict[str, Pool]) -> dict[str, Scheduler]:
@@ -69,6 +71,7 @@ class Fleet:
 
     def _placer(self, pool: Pool) -> Placer:
         placer = Placer(pool, self.admission, self.is_fresh)
+        placer.turns = self.turns
         if self.routing.health.enabled:
             placer.allow_probe = self.health[pool.model].allow_probe
         return placer
@@ -194,6 +197,13 @@ class Fleet:
                                          r.inflight_tokens - r.inflight_prompt_tokens)
                              for r in p.replicas}
         return view
+
+    def share_turns(self, turns: Turns) -> None:
+        """Place as one of several gateways: each placer fills its share of a replica's headroom between two shared
+        views (routing/turns.py)."""
+        self.turns = turns
+        for placer in self.placers.values():
+            placer.turns = turns
 
     def on_shared_view(self, view: View) -> None:
         """The other sidecars' requests in flight per replica (an empty view: Redis lost, own load only)."""

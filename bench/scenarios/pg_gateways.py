@@ -10,7 +10,7 @@ within half a second. A long generation reserves 1,100 tokens of KV but shows on
 scraped right after it starts. Prompts are unique (no shared prefix). Clients are the openai SDK (max_retries 2,
 honouring retry-after and x-should-retry): a shed request comes back.
 
-The two systems are two sluice deployments, both at the shipped defaults; they differ in one deployment fact:
+The first two systems are two sluice deployments, both at the shipped defaults; they differ in one deployment fact:
   shared       every sidecar uses the same Redis (`budgets.store.kind: redis`, a real redis-server): each
                publishes its requests in flight per replica and adds the others' fresh share to what it scraped
                (`routing.shared_load`, on by default with a Redis store): together they admit what the
@@ -19,6 +19,9 @@ The two systems are two sluice deployments, both at the shipped defaults; they d
                and sees the others' through scrapes, which show what a request holds now, not the output it will
                still generate: three sidecars admit up to three times what fits, and the replicas preempt (vLLM
                drops and recomputes running requests)
+The third shows what the opt-in `routing.shared_load.take_turns` costs and buys, side by side:
+  turns        shared, and between two views each sidecar fills only its share of a replica's headroom, the last
+               places in turn (routing/turns.py): two gateways no longer take the same last place in one interval
 
 SLO: the first token within `slo_ttft_s(ttft_alone(400))` (5x the TTFT alone, at least 0.5 s, rounded up) of the
 user's first send (retries included) and the response completed.
@@ -56,7 +59,7 @@ SPEC = EngineSpec.of(BENCH_PRESET, ["--num-gpu-blocks", str(KV_BLOCKS)])
 BURST = round(2.5 * FITS * REPLICAS)
 BACKGROUND_RPS = 0.1 * pool_rps(SPEC, REPLICAS, *SHORT)
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG[0]))
-SHARED, INDEPENDENT = "shared", "independent"
+SHARED, INDEPENDENT, TURNS = "shared", "independent", "turns"
 
 
 class S(Scenario):
@@ -68,7 +71,7 @@ class S(Scenario):
     time_scale = 1.0
     sim_args = ["--num-gpu-blocks", str(KV_BLOCKS)]
     slo_ttft_s = SLO_TTFT_S
-    systems = (INDEPENDENT, SHARED)
+    systems = (INDEPENDENT, SHARED, TURNS)
     reproduced_on = INDEPENDENT
     redis = True  # the shared setup's sidecars share a Redis (`_meta.sluice_policy` lists it)
     derived_values = {"KV blocks per replica": KV_BLOCKS, "burst": BURST, "background (req/s)": BACKGROUND_RPS}
@@ -120,15 +123,21 @@ class S(Scenario):
         v = m.get("preemptions")
         return (v is not None and v >= 10), f"preemptions {v} (needs >= 10)"
 
-    def gateway_stacks(self, run_dir: Path, seed: int, redis_url: str | None, backend: Any) -> list[Any]:
+    def gateway_stacks(self, run_dir: Path, seed: int, redis_url: str | None, backend: Any,
+                       take_turns: bool = False) -> list[Any]:
         """The gateway pairs, not started: each sluice at its shipped defaults plus the scenario's facts (and the
-        shared Redis when `redis_url` is given). Gateway 0's stack runs the simulated pool; the others front the
-        same replicas."""
+        shared Redis when `redis_url` is given; `take_turns`: routing.shared_load.take_turns on). Gateway 0's
+        stack runs the simulated pool; the others front the same replicas."""
         from bench import runner
 
         stacks = [runner.make_stack(self, "sluice", run_dir / f"gateway-{g}", seed, redis_url=redis_url,
                                     backend=backend) for g in range(self.gateways)]
         pool = stacks[0].policy.pools[0]
+        if take_turns:
+            for stack in stacks:
+                routing = stack.policy.routing
+                shared = dataclasses.replace(routing.shared_load, take_turns=True)
+                stack.policy.routing = dataclasses.replace(routing, shared_load=shared)
         for stack in stacks[1:]:
             stack.policy.simulator = dataclasses.replace(stack.policy.simulator, enabled=False)
             stack.policy.pools = [dataclasses.replace(stack.policy.pools[0], replicas=list(pool.replicas))]
@@ -146,9 +155,9 @@ class S(Scenario):
         stacks: list[Any] = []
         redis = redis_url = None
         try:
-            if system == SHARED:
+            if system in (SHARED, TURNS):
                 redis, redis_url = runner.start_redis(run_dir)
-            for stack in self.gateway_stacks(run_dir, seed, redis_url, backend):
+            for stack in self.gateway_stacks(run_dir, seed, redis_url, backend, take_turns=system == TURNS):
                 stacks.append(stack)
                 stack.start()
             backend.attach(stacks[0])

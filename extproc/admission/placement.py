@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from extproc.admission.decode_time import BOUND as DECODE_BOUND
 from extproc.admission.kv_growth import Growth, KvGrowth
@@ -83,6 +83,9 @@ from extproc.admission.policy import AdmissionPolicy
 from extproc.admission.prefix_affinity import PrefixAffinity
 from extproc.request import LLMRequest
 from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
+
+if TYPE_CHECKING:
+    from extproc.routing.turns import Turns
 
 NONE_CACHED: dict[Replica, float] = {}  # no prefix state: nothing cached or held anywhere (never written)
 
@@ -118,8 +121,10 @@ REFILL_S = 0.1  # a queued request may always be placed behind this much predict
                 # scheduler's timer): the replica never runs dry between dispatches
 
 # Why a replica did not fit (counted per replica: "saturation by reason").
-NOT_ROUTABLE, STALE, KV_FULL, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
-    "not_routable", "stale", "kv_full", "engine_queue", "concurrency", "prefill_backlog", "lane", "tenant_share")
+NOT_ROUTABLE, STALE, KV_FULL, KV_SHARE, QUEUE_FULL, CONCURRENCY, PREFILL, LANE, TENANT = (
+    "not_routable", "stale", "kv_full", "kv_share", "engine_queue", "concurrency", "prefill_backlog", "lane",
+    "tenant_share")
+# KV_SHARE: the KV fits, but not within this gateway's share of it until its next shared view (routing/turns.py)
 
 
 class Placer:
@@ -131,6 +136,7 @@ class Placer:
         self.policy = policy
         self.is_fresh = is_fresh
         self.allow_probe: Callable[[Replica, float], bool] | None = None  # health: one probe to an ejected one
+        self.turns: Turns | None = None  # several gateways: the share of a replica's headroom this one may fill
         self.rate = policy.prefill_tokens_per_s  # the pool's prefill speed (prefill_rate.py, after each scrape)
         self.decode_s = policy.decode_s_per_token  # seconds per output token (decode_time.py, after each scrape)
         self.decode_measured = False  # decode_s comes from the engines, not the configured start value
@@ -179,6 +185,8 @@ class Placer:
         self._lane_caps = [self._lane_replica_cap(lane.max_replica_share) for lane in self.policy.lanes]
         if len(self._lane_seen) != n_lanes:
             self._lane_seen = [-math.inf] * n_lanes
+        # Each replica's place among the pool's addresses, sorted: the same on every gateway (turns.py).
+        self._rank = {r: i for i, r in enumerate(sorted(self.pool.replicas, key=lambda r: r.address))}
 
     # ---- estimates -------------------------------------------------------------------------------------
     def backlog(self, r: Replica, now: float) -> float:
@@ -354,13 +362,45 @@ class Placer:
 
     def kv_fits(self, r: Replica, req: LLMRequest, now: float, limit: float, work: float,
                 held: float = 0.0) -> bool:
-        """`req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already hold)
-        fits within `limit` beside what `r` will hold during its lifetime (`kv_committed`; the whole future
-        first: O(1), and enough whenever the replica is not near full)."""
-        room = limit - (req.total_tokens - held)
-        if self.kv_committed(r, now) <= room:
-            return True
-        return self.kv_committed(r, now, self.lifetime_s(r, req, now, work)) <= room
+        """Whether `req` fits `r`'s KV now (`kv_refusal` is None)."""
+        return self.kv_refusal(r, req, now, limit, work, held) is None
+
+    def kv_refusal(self, r: Replica, req: LLMRequest, now: float, limit: float, work: float,
+                   held: float = 0.0) -> str | None:
+        """Why `req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already
+        hold) does not fit within `limit` beside what `r` will hold during its lifetime (`kv_committed`; the
+        whole future first: O(1), and enough whenever the replica is not near full): KV_FULL, KV_SHARE (it
+        fits, beyond this gateway's share: `_refusal`), or None."""
+        footprint = req.total_tokens - held
+        why = self._refusal(r, self.kv_committed(r, now), limit, footprint, now)
+        if why is None:
+            return None
+        return self._refusal(r, self.kv_committed(r, now, self.lifetime_s(r, req, now, work)), limit, footprint,
+                             now)
+
+    def _refusal(self, r: Replica, committed: float, limit: float, footprint: float, now: float) -> str | None:
+        """`footprint` fits within `limit` beside `committed` (else KV_FULL), and, with other gateways placing in
+        the pool, within this sidecar's share of the headroom its last shared view left (else KV_SHARE;
+        routing/turns.py):
+
+            own footprints placed since the view + footprint
+                <= allowance(limit - (committed - those footprints), KV margin)
+        """
+        if committed + footprint > limit:
+            return KV_FULL
+        turns = self.turns
+        if turns is None or turns.gateways(self.pool.model) <= 1:
+            return None
+        mine = min(r.placed_since_view_tokens, r.inflight_tokens)
+        allowance = turns.allowance(self.pool.model, self._rank.get(r, 0), limit - (committed - mine), footprint,
+                                    now, r.kv_capacity_tokens * self.policy.kv_margin)
+        return None if mine + footprint <= allowance else KV_SHARE
+
+    def turn_wait_s(self) -> float:
+        """The longest a request fitting a replica's KV waits for this gateway's turn on it (0: no other gateway
+        places in the pool)."""
+        turns = self.turns
+        return 0.0 if turns is None else turns.turn_wait_s(self.pool.model)
 
     def kv_free_s(self, req: LLMRequest, now: float, ahead: int = 0, ahead_tokens: float = 0.0) -> float | None:
         """Seconds until some usable replica's KV could hold `req` behind the `ahead` requests queued before it
@@ -495,8 +535,10 @@ class Placer:
             return QUEUE_FULL
         if work is None:
             work = self.prefill_work(req.prompt_tokens)
-        if r.kv_capacity_tokens and not self.kv_fits(r, req, now, self.kv_limit(r, req, w), work, held):
-            return KV_FULL
+        if r.kv_capacity_tokens:
+            why = self.kv_refusal(r, req, now, self.kv_limit(r, req, w), work, held)
+            if why is not None:
+                return why
         backlog = self.backlog(r, now)
         if backlog > 0:
             if backlog + work > self.rate * ttft_limit_s * w:

@@ -23,6 +23,7 @@ All of it is synchronous bookkeeping on the event loop; the only await is the he
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from extproc.admission import metrics as am
 from extproc.admission.decode_time import DecodeTime
 from extproc.admission.kv_growth import Growth
-from extproc.admission.placement import CONCURRENCY, KV_FULL, LANE, PREFILL, QUEUE_FULL, REFILL_S, TENANT, Placer
+from extproc.admission.placement import (CONCURRENCY, KV_FULL, KV_SHARE, LANE, PREFILL, QUEUE_FULL, REFILL_S, TENANT,
+                                         Placer)
 from extproc.admission.policy import AdmissionPolicy, LanePolicy
 from extproc.admission.prefill_rate import PrefillRate
 from extproc.admission.queue import FairQueue, VirtualClock, Waiter, work_ahead
@@ -512,16 +514,23 @@ class Scheduler:
             held_until = now + kv_free_s(head)          (when KV is predicted to free for it)
             w behind it may go now  iff  now + lifetime(w) <= held_until  and  w fits now
 
+        With other gateways placing in the pool, a head that fits some replica's KV beyond this gateway's share
+        (KV_SHARE) waits for its turn there: held_until = now + min(kv_free_s, turn_wait_s) (routing/turns.py).
+
         `lifetime` = prefill at the pool's speed + expected output x decode s per token: what goes first has
         ended, by prediction, before the head could start, so it takes none of the KV the head waits for (PG: a
         burst of long generations committed the pool's KV and held every short chat behind it). Returns how many
         were dispatched; `held_until` is kept for new arrivals (`_backfills`)."""
         reasons = self.placer.last_reasons
-        if not reasons.get(KV_FULL) or any(reasons.get(k) for k in (CONCURRENCY, PREFILL, QUEUE_FULL, LANE)):
+        share = reasons.get(KV_SHARE)
+        if not (reasons.get(KV_FULL) or share) or any(reasons.get(k) for k in (CONCURRENCY, PREFILL, QUEUE_FULL,
+                                                                                  LANE)):
             return 0
         kv_s = self.placer.kv_free_s(head.req, now)
-        if kv_s is None:
+        if kv_s is None and not share:
             return 0
+        if share:  # the KV fits it somewhere and the turn there will come (routing/turns.py)
+            kv_s = min(kv_s if kv_s is not None else math.inf, self.placer.turn_wait_s())
         until = self.kv_held_until[lane] = now + kv_s
         dispatched = 0
         for w in self.queues[lane].behind(head, BACKFILL_SCAN):

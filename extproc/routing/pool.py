@@ -127,6 +127,8 @@ class Replica:
     shared_prompt_at_scrape: int = 0    # ... when this replica was last scraped
     shared_growth: float = 0.0          # output the others' requests here are still expected to decode
                                         # (admission/kv_growth.py), as of the latest shared view
+    placed_since_view_tokens: int = 0   # footprints this sidecar placed here since that view (turns.py: its share
+                                        # of the headroom the view left)
     state_since: float = field(default_factory=time.monotonic)
     state_reason: str = "start"
 
@@ -141,6 +143,7 @@ class Replica:
         self.placed_since_scrape_tokens += tokens - shared
         self.placed_since_scrape_prompt_tokens += prompt_tokens - shared
         self.placed_since_scrape_requests += 1
+        self.placed_since_view_tokens += tokens - shared
         self.placed_in_epoch_requests += 1
         self.awaiting_requests += 1
         self.awaiting_tokens += tokens - shared
@@ -268,6 +271,7 @@ class Replica:
         self.shared_prompt_tokens = tokens - output
         self.shared_requests = requests
         self.shared_growth = growth
+        self.placed_since_view_tokens = 0
 
     def waiting_estimate(self) -> int:
         return self.engine.waiting + self.placed_since_scrape_requests

@@ -12,9 +12,9 @@ Protocol (one Redis round trip per `interval_s`, never per request; off the hot 
   to decode, admission/kv_growth.py; output = the expected output within tokens, so tokens - output are their
   prompts; a report without growth or output counts 0 for it).
   A Lua script writes this sidecar's field (stamped with Redis' own clock: no skew between gateways), refreshes
-  the key's TTL, and returns every other field younger than `stale_after_s`; fields older than 10 x that are
-  deleted (sidecars that died). A sidecar that stops publishing drops out of the others' view within
-  `stale_after_s`: its load is then visible only through scrapes, as today.
+  the key's TTL, and returns Redis' clock, then the id and report of every other field younger than
+  `stale_after_s`; fields older than 10 x that are deleted (sidecars that died). A sidecar that stops publishing
+  drops out of the others' view within `stale_after_s`: its load is then visible only through scrapes.
 
 What placement adds (`Load` per replica, from `others()`; the Fleet copies it onto each `Replica`, and
 admission/placement.py `Placer.kv_committed` and `_over_concurrency` read it):
@@ -27,6 +27,8 @@ admission/placement.py `Placer.kv_committed` and `_over_concurrency` read it):
   growth           the others' requests' expected output still to decode, next to this sidecar's own: the KV
                    they will hold before they end, which no scrape shows yet (placement `kv_committed`)
 The view is at most `interval_s` + one round trip old; queues stay local (each sidecar admits its own requests).
+With `take_turns`, between two views each sidecar fills only its share of a replica's headroom, the rest in turn
+(turns.py `Turns`, updated here with Redis' clock and which sidecars have requests in flight in each pool).
 
 Losing Redis: any error empties the view (placement falls back to own placements + scrapes, today's behaviour),
 sets `sluice_shared_load_degraded`, logs once, and retries with exponential backoff (interval_s doubling up to
@@ -46,6 +48,7 @@ import orjson
 
 from extproc.routing import metrics as rm
 from extproc.routing.policy import SharedLoadPolicy
+from extproc.routing.turns import Turns
 
 log = logging.getLogger("sluice.routing.shared_load")
 STOP_WAIT_S = 2.0  # how long stop() waits for the loop to end and for the client to close
@@ -63,13 +66,14 @@ local stale = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], ARGV[1], now .. '|' .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], stale * 10)
 local all = redis.call('HGETALL', KEYS[1])
-local out = {}
+local out = {now}
 for i = 1, #all, 2 do
   local id, v = all[i], all[i + 1]
   if id ~= ARGV[1] then
     local sep = string.find(v, '|', 1, true)
     local ts = sep and tonumber(string.sub(v, 1, sep - 1))
     if ts and ts >= now - stale then
+      out[#out + 1] = id
       out[#out + 1] = string.sub(v, sep + 1)
     elseif not ts or ts < now - stale * 10 then
       redis.call('HDEL', KEYS[1], id)
@@ -112,13 +116,17 @@ def _encode(local: Mapping[str, Mapping[str, tuple[int, ...]]]) -> bytes:
                          for pool, replicas in local.items()})
 
 
-def _merge(reports: list[bytes]) -> View:
-    """Sum the other sidecars' reports per pool and replica (a malformed report is skipped)."""
+def _merge(reports: list[bytes], ids: list[str] | None = None,
+           active: dict[str, set[str]] | None = None) -> View:
+    """Sum the other sidecars' reports per pool and replica (a malformed report is skipped). With `ids` (each
+    report's sidecar) and `active`, also note per pool the sidecars with requests in flight there."""
     tokens: dict[tuple[str, str], list[int]] = {}
-    for raw in reports:
+    for i, raw in enumerate(reports):
         try:
             report = orjson.loads(raw)
             for pool, replicas in report.items():
+                if active is not None and ids is not None and any(int(load[1]) for load in replicas.values()):
+                    active.setdefault(pool, set()).add(ids[i])
                 for addr, load in replicas.items():
                     acc = tokens.setdefault((pool, addr), [0, 0, 0, 0])
                     acc[0] += int(load[0])
@@ -145,6 +153,7 @@ class SharedLoad:
         self.policy = policy or SharedLoadPolicy()
         self.key = key  # the Redis hash every sidecar of one deployment shares
         self._script = client.register_script(_SYNC_LUA)
+        self.turns = Turns(sidecar_id, self.policy.interval_s)  # whose turn the last places are (turns.py)
         self.view: View = {}
         self.peers = 0
         self.degraded = False
@@ -163,13 +172,17 @@ class SharedLoad:
         p = self.policy
         try:
             payload = _encode(self.local_view())
-            reports = await self._script(keys=[self.key],
-                                         args=[self.sidecar_id, payload, int(p.stale_after_s * 1000)])
+            reply = await self._script(keys=[self.key],
+                                       args=[self.sidecar_id, payload, int(p.stale_after_s * 1000)])
+            redis_ms = float(reply[0])
         except Exception as exc:  # redis errors, timeouts, connection refused: all mean "no shared view now"
             self._lose(exc)
             return False
-        self.view = _merge(reports)
-        self.peers = len(reports)
+        ids = [i.decode(errors="replace") if isinstance(i, bytes) else str(i) for i in reply[1::2]]
+        active: dict[str, set[str]] = {}
+        self.view = _merge(reply[2::2], ids, active)
+        self.turns.update(redis_ms, active)
+        self.peers = len(ids)
         rm.SHARED_LOAD_PEERS.set(self.peers)
         if self.degraded:
             self.degraded = False
@@ -186,6 +199,7 @@ class SharedLoad:
             rm.SHARED_LOAD_DEGRADED.set(1)
             log.warning("shared in-flight view lost (%r): placing on own placements and scrapes only", exc)
         self._delay = min(self.policy.max_backoff_s, self._delay * 2)
+        self.turns.clear()
         self.peers = 0
         rm.SHARED_LOAD_PEERS.set(0)
         if self.view:

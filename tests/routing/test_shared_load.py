@@ -267,3 +267,39 @@ def test_reports_carry_the_expected_output_so_the_others_prompts_are_known():
     assert (r.shared_tokens, r.shared_prompt_tokens) == (1400, 700)  # 400 + the older report's 300 in full
     r.on_scrape(EngineState(scraped_at=1.0))
     assert r.shared_prompt_at_scrape == 700
+
+
+async def test_each_round_trip_tells_the_turns_redis_clock_and_who_places_in_each_pool(redis_server, make):
+    """turns.py's inputs come from the same round trip: Redis' own clock (one clock for every gateway) and, per
+    pool, the other sidecars with requests in flight there (an idle one takes no share)."""
+    a, b, c = Sidecar(), Sidecar(), Sidecar()
+    b.load = {"m": {"r1": (1100, 1)}}
+    c.load = {"n": {"x": (300, 1)}}
+    va = make(redis_server.url, a, "a")
+    vb, vc = make(redis_server.url, b, "b"), make(redis_server.url, c, "c")
+    await vb.sync_once()
+    await vc.sync_once()
+    async with aioredis.from_url(redis_server.url) as client:
+        seconds, micros = await client.time()
+    assert await va.sync_once()
+    assert va.turns.active == {"m": ("a", "b"), "n": ("a", "c")}
+    assert va.turns.gateways("m") == 2 and va.turns.gateways("other") == 1
+    assert 0 <= va.turns.view_ms - (seconds * 1000 + micros / 1000) < 1000
+    b.load = {}
+    await vb.sync_once()
+    await va.sync_once()
+    assert va.turns.gateways("m") == 1  # b has nothing in flight any more
+
+
+def test_a_fleet_shares_its_turns_with_every_placer_and_keeps_them_across_a_reload():
+    from extproc.fleet import Fleet
+    from extproc.routing.turns import Turns
+
+    policy = policy_from_dict({"pools": [{"model": "m", "replicas": ["10.5.0.1:8000"]},
+                                         {"model": "n", "replicas": ["10.5.0.2:8000"]}]})
+    fleet = Fleet(policy)
+    turns = Turns("me")
+    fleet.share_turns(turns)
+    assert all(p.turns is turns for p in fleet.placers.values())
+    fleet.rebuild(policy, {name: pool for name, pool in fleet.pools.items()})
+    assert all(p.turns is turns for p in fleet.placers.values())
