@@ -29,8 +29,8 @@ LATE = Counter("sluice_queue_late_total",
                "waiting behind every on-time request to be served late (admission.late_wait_of_target).",
                ["pool", "lane"])
 SATURATION = Counter("sluice_replica_saturated_total",
-                     "Placement attempts that found replicas full, by reason (kv_full, engine_queue, concurrency, "
-                     "prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])
+                     "Placement attempts that found replicas full, by reason (kv_full, kv_share, engine_queue, "
+                     "concurrency, prefill_backlog, lane, tenant_share, stale, not_routable).", ["pool", "reason"])
 PREFILL_RATE = Gauge("sluice_prefill_tokens_per_second",
                      "Prefill speed per replica admission assumes (learned from saturated engines).", ["pool"])
 ESTIMATE_FACTOR = Gauge("sluice_prompt_estimate_factor",
