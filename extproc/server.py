@@ -181,10 +181,8 @@ async def serve(policy: Policy, worker: int = 0, grace_s: float = 10.0, xds_out:
         render(policy, xds, "sluice", endpoints=endpoints.eds_endpoints())
     if isinstance(gateway, EppGateway) and policy.epp.failure_mode is None:
         gateway.failure_mode = endpoints.failure_mode(policy.default_pool.model) or gateway.failure_mode
-    shared = shared_load_from_policy(policy, worker, gateway.fleet.local_view, gateway.fleet.on_shared_view)
+    shared = shared_load_from_policy(policy, worker, gateway.fleet)
     if shared is not None:
-        if policy.routing.shared_load.take_turns:
-            gateway.fleet.share_turns(shared.turns)
         await shared.start()
     scraper = gateway.fleet.make_scraper()
     if scraper is not None:

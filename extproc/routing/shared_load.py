@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import orjson
 
@@ -238,16 +238,26 @@ class SharedLoad:
             close.exception()  # retrieved, not raised: closing a broken connection must not fail shutdown
 
 
-def shared_load_from_policy(policy: Any, worker: int, local_view: LocalView,
-                            listener: Callable[[View], None]) -> SharedLoad | None:
+class SharingFleet(Protocol):
+    """What the shared view needs of a sidecar's Fleet (extproc/fleet.py)."""
+
+    def local_view(self) -> Mapping[str, Mapping[str, tuple[int, ...]]]: ...
+    def on_shared_view(self, view: View) -> None: ...
+    def share_turns(self, turns: Turns) -> None: ...
+
+
+def shared_load_from_policy(policy: Any, worker: int, fleet: SharingFleet) -> SharedLoad | None:
     """The shared view a policy asks for (`routing.shared_load.enabled` with `budgets.store.kind: redis`, through
-    the budgets' Redis under their key prefix), not started; None when there is nothing to share with."""
+    the budgets' Redis under their key prefix), wired to `fleet` (its load published, the others' delivered, and
+    with `take_turns` its placers' turns) and not started; None when there is nothing to share with."""
     store = policy.budgets.store
     if store.kind != "redis" or not policy.routing.shared_load.enabled:
         return None
     client = redis_client(store.redis.url, timeout_s=max(store.redis.socket_timeout_s, 0.05))
     sidecar_id = f"{socket.gethostname()}:{os.getpid()}:{worker}"
-    shared = SharedLoad(client, sidecar_id, local_view, policy.routing.shared_load,
+    shared = SharedLoad(client, sidecar_id, fleet.local_view, policy.routing.shared_load,
                         key=f"{store.redis.key_prefix}load")
-    shared.listeners.append(listener)
+    shared.listeners.append(fleet.on_shared_view)
+    if policy.routing.shared_load.take_turns:
+        fleet.share_turns(shared.turns)
     return shared

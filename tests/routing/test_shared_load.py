@@ -212,7 +212,8 @@ async def test_two_gateways_place_around_each_other_and_alone_again_when_redis_i
             "routing": {"shared_load": {"interval_s": 0.05, "stale_after_s": 0.5, "max_backoff_s": 0.2}}}
     policy = policy_from_dict(data)
     fleets = [Fleet(policy), Fleet(policy)]
-    views = [shared_load_from_policy(policy, i, f.local_view, f.on_shared_view) for i, f in enumerate(fleets)]
+    views = [shared_load_from_policy(policy, i, f) for i, f in enumerate(fleets)]
+    assert all(p.turns is None for f in fleets for p in f.placers.values())  # take_turns is off by default
     req = LLMRequest(request_id="x", endpoint="chat", model="m", stream=True, prompt_tokens=500,
                      max_output_tokens=1500)
     one, two = fleets
@@ -291,15 +292,18 @@ async def test_each_round_trip_tells_the_turns_redis_clock_and_who_places_in_eac
     assert va.turns.gateways("m") == 1  # b has nothing in flight any more
 
 
-def test_a_fleet_shares_its_turns_with_every_placer_and_keeps_them_across_a_reload():
+def test_with_take_turns_every_placer_of_the_fleet_takes_turns_and_keeps_them_across_a_reload():
     from extproc.fleet import Fleet
-    from extproc.routing.turns import Turns
+    from extproc.routing.shared_load import shared_load_from_policy
 
     policy = policy_from_dict({"pools": [{"model": "m", "replicas": ["10.5.0.1:8000"]},
-                                         {"model": "n", "replicas": ["10.5.0.2:8000"]}]})
+                                         {"model": "n", "replicas": ["10.5.0.2:8000"]}],
+                               "budgets": {"store": {"kind": "redis", "redis": {"url": "redis://127.0.0.1:1"}}},
+                               "routing": {"shared_load": {"take_turns": True}}})
     fleet = Fleet(policy)
-    turns = Turns("me")
-    fleet.share_turns(turns)
+    shared = shared_load_from_policy(policy, 0, fleet)  # not started: no Redis needed
+    assert shared is not None
+    turns = shared.turns
     assert all(p.turns is turns for p in fleet.placers.values())
     fleet.rebuild(policy, {name: pool for name, pool in fleet.pools.items()})
     assert all(p.turns is turns for p in fleet.placers.values())
