@@ -1,0 +1,271 @@
+"""`python -m bench.stack_tax [--json FILE]`: what the scenarios' own stack (the openai SDK, Envoy, the sidecar)
+takes from the two real engines' throughput on this machine (issue 16: the simulated column's speed).
+
+Why: the rig probe (bench/rig.py) drives the two engines straight, with a light aiohttp client, and finds what
+share of the preset's capacity they deliver side by side (0.477 on the Xeon). The scenarios drive them through
+Envoy and a gateway with the openai SDK, on the same two cores, and the simulated column ran at that one share:
+long prompts that arrive slowly came out twice as slow as the engines ran them, streams of answers about right
+(docs/benchmarks.md, "The simulated column on the rig's shared cores"). The engines do not slow each other
+(bench/contend.py), so the rest of the machine takes the difference; which part was not measured.
+
+The probe: two engines, whole on their cores (`bench.vllm_cpu.start_engines`). For each request shape, clients
+keep `STREAMS_PER_ENGINE` x 2 streaming chat completions in flight back to back (unique prompts: no prefix-cache
+hit) for `WINDOW_S` after `WARMUP_S`, along each path in turn:
+
+    direct aiohttp   the rig's probe: aiohttp straight to the engines
+    direct openai    the openai SDK (AsyncOpenAI, streaming, max_retries 0) straight to the engines
+    envoy-rr         the SDK through Envoy round robin (the harness's Stack, mode envoy-rr)
+    sluice           the SDK through Envoy + the sidecar at its shipped defaults (mode sluice)
+
+Per (shape, path): completions/s and output tokens/s in the window, and the CPU seconds spent in the window by
+the engines (their process groups: API server, EngineCore, worker), Envoy, the sidecar and the clients (this
+process). The shapes: the rig's reference request (800 prompt, 32 output tokens) and a long answer (100 prompt,
+256 output tokens, `ignore_eos`). Printed as a table; written with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+STREAMS_PER_ENGINE = 16
+WARMUP_S, WINDOW_S = 3.0, 8.0
+SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256)}
+PATHS = ("direct aiohttp", "direct openai", "envoy-rr", "sluice")
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Window:
+    """What one (shape, path) measurement counts inside its window."""
+
+    start: float
+    end: float
+    completions: int = 0
+    output_tokens: int = 0
+
+    def count(self, tokens: int) -> None:
+        if self.start <= time.monotonic() <= self.end:
+            self.completions += 1
+            self.output_tokens += tokens
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group `pgid` (an engine: its API server leads
+    the group, EngineCore and the worker are in it)."""
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / _TICKS
+    return total
+
+
+def pid_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def own_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def body(prompt: int, output: int, salt: int) -> dict[str, Any]:
+    from bench.scenarios.base import chat
+
+    b = chat(prompt, output, salt=salt)
+    b["ignore_eos"] = True  # the answer's length is the shape's, whatever the tiny random model samples
+    return b
+
+
+async def aiohttp_client(session: Any, url: str, prompt: int, output: int, salt: int, stop_at: float,
+                         window: Window) -> None:
+    """The rig's client: POST, read the whole stream, count the completion (its usage's output tokens)."""
+    import orjson
+
+    n = 0
+    while time.monotonic() < stop_at:
+        data = orjson.dumps(body(prompt, output, salt + n))
+        n += 1
+        tokens = 0
+        async with session.post(url + "/v1/chat/completions", data=data,
+                                headers={"Content-Type": "application/json"}) as r:
+            async for line in r.content:
+                if b'"completion_tokens"' in line:
+                    tokens = orjson.loads(line[len(b"data: "):])["usage"]["completion_tokens"]
+            ok = r.status == 200
+        if ok:
+            window.count(tokens)
+
+
+async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: float, window: Window) -> None:
+    """The scenarios' client: the openai SDK streaming a chat completion, read to its end."""
+    n = 0
+    while time.monotonic() < stop_at:
+        b = body(prompt, output, salt + n)
+        n += 1
+        tokens = 0
+        stream = await api.chat.completions.create(
+            model=b["model"], messages=b["messages"], max_tokens=b["max_tokens"], stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        window.count(tokens)
+
+
+async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: int, warmup_s: float,
+                window_s: float, salt: int) -> Window:
+    """`streams` clients per URL in `urls`, back to back until the window ends."""
+    import aiohttp
+    import openai
+
+    start = time.monotonic()
+    window = Window(start + warmup_s, start + warmup_s + window_s)
+    clients: list[Awaitable[None]] = []
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if sdk:
+        for url in urls:
+            api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120.0)
+            closers.append(api.close)
+            clients += [openai_client(api, prompt, output, salt + (len(clients) + k) * 100_000, window.end, window)
+                        for k in range(streams)]
+        await asyncio.gather(*clients)
+    else:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for url in urls:
+                clients += [aiohttp_client(session, url, prompt, output, salt + (len(clients) + k) * 100_000,
+                                           window.end, window) for k in range(streams)]
+            await asyncio.gather(*clients)
+    for close in closers:
+        await close()
+    return window
+
+
+def cpu_now(engines: list[Any], stack: Any | None) -> dict[str, float]:
+    from bench.runner import _gateway_pids
+
+    out = {"engines": sum(group_cpu_s(e.pgid) for e in engines), "clients": own_cpu_s()}
+    if stack is not None:
+        for part, pids in _gateway_pids(stack).items():
+            if pids:
+                out[part] = sum(pid_cpu_s(p) for p in pids)
+    return out
+
+
+def measure_path(path: str, engines: list[Any], run_dir: Path, salt: int, streams: int, warmup_s: float,
+                 window_s: float) -> dict[str, dict[str, float]]:
+    """Every shape along one path: completions/s, output tokens/s and CPU seconds per part in the window."""
+    from bench.scenarios.base import MODEL
+    from extproc.config import policy_from_dict
+    from extproc.supervisor import Stack, with_free_ports
+
+    stack = None
+    urls = [e.url for e in engines]
+    if path in ("envoy-rr", "sluice"):
+        replicas = [f"127.0.0.1:{e.spec.port}" for e in engines]
+        policy = with_free_ports(policy_from_dict({"pools": [{"model": MODEL, "replicas": replicas}],
+                                                   "simulator": {"enabled": False},
+                                                   "gateway": {"envoy_log_level": "error"}}))
+        policy.pools = [dataclasses.replace(policy.pools[0], replicas=replicas)]  # the engines' own ports
+        stack = Stack(policy, run_dir=run_dir / path, mode=path)
+        stack.start()
+        urls = [stack.base_url]
+    try:
+        out: dict[str, dict[str, float]] = {}
+        for i, (shape, (prompt, output)) in enumerate(SHAPES.items()):
+            per_url = streams * len(engines) // len(urls)
+            before = cpu_now(engines, stack)
+            t0 = time.monotonic()
+            window = asyncio.run(drive(urls, path != "direct aiohttp", prompt, output, per_url, warmup_s, window_s,
+                                       salt + i * 10_000_000))
+            after = cpu_now(engines, stack)
+            elapsed = time.monotonic() - t0  # the whole drive, warm-up included: cores = CPU seconds / elapsed
+            cores = {part: round((after[part] - before[part]) / elapsed, 2) for part in after if part in before}
+            out[shape] = {"completions_per_s": round(window.completions / window_s, 2),
+                          "output_tokens_per_s": round(window.output_tokens / window_s, 1),
+                          "cores": cores}
+            print(f"  {path:15s} {shape:24s} {out[shape]['completions_per_s']:7.2f} completions/s "
+                  f"{out[shape]['output_tokens_per_s']:8.1f} tokens/s  cores {cores}", flush=True)
+        return out
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+def run(streams: int = STREAMS_PER_ENGINE, warmup_s: float = WARMUP_S,
+        window_s: float = WINDOW_S) -> dict[str, dict[str, Any]]:
+    """Start the two engines, measure every path, stop them: {path: {shape: numbers}}."""
+    from bench import vllm_cpu
+    from bench.scenarios.base import MODEL, set_text_scale
+    from extproc.supervisor import free_ports
+
+    set_text_scale(1.0)  # the tiny model's tokenizer counts one filler word as one token (bench/backends.py)
+    log_dir = Path(tempfile.mkdtemp(prefix="sluice-stack-tax-"))
+    specs = vllm_cpu.engine_specs(free_ports(2), extra_args=("--served-model-name", MODEL))
+    engines = vllm_cpu.start_engines(specs, log_dir)
+    try:
+        return {path: measure_path(path, engines, log_dir, 50_000_000 * (i + 1), streams, warmup_s, window_s)
+                for i, path in enumerate(PATHS)}
+    finally:
+        vllm_cpu.stop_engines(engines)
+
+
+def table(result: dict[str, dict[str, Any]]) -> str:
+    """One row per (shape, path): throughput, its share of the direct probe's, and the cores each part used."""
+    lines = ["| shape | path | completions/s | of direct aiohttp | output tokens/s | cores: engines | clients | "
+             "envoy | sidecar |", "|---|---|---|---|---|---|---|---|---|"]
+    for shape in SHAPES:
+        base = result["direct aiohttp"][shape]["completions_per_s"]
+        for path in PATHS:
+            row = result[path][shape]
+            c = row["cores"]
+            share = f"{row['completions_per_s'] / base:.2f}" if base else "-"
+            lines.append(f"| {shape} | {path} | {row['completions_per_s']} | {share} | {row['output_tokens_per_s']} "
+                         f"| {c.get('engines', '-')} | {c.get('clients', '-')} | {c.get('envoy', '-')} | "
+                         f"{c.get('sidecar', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.stack_tax", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--window", type=float, default=WINDOW_S, help="seconds measured per (shape, path)")
+    args = ap.parse_args(argv)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    result = run(window_s=args.window)
+    print(table(result))
+    if args.json:
+        from extproc.sim.measure import machine_info
+
+        out = {"date": started, "machine": machine_info(), "streams_per_engine": STREAMS_PER_ENGINE,
+               "warmup_s": WARMUP_S, "window_s": args.window, "shapes": {k: list(v) for k, v in SHAPES.items()},
+               "paths": result}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
