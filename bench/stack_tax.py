@@ -10,17 +10,18 @@ long prompts that arrive slowly came out twice as slow as the engines ran them, 
 
 The probe: two engines, whole on their cores (`bench.vllm_cpu.start_engines`). For each request shape, clients
 keep `STREAMS_PER_ENGINE` x 2 streaming chat completions in flight back to back (unique prompts: no prefix-cache
-hit) for `WINDOW_S` after `WARMUP_S`, along each path in turn:
+hit; their starts staggered) for `WINDOW_S` after `WARMUP_S`, along each path in turn:
 
     direct aiohttp   the rig's probe: aiohttp straight to the engines
     direct openai    the openai SDK (AsyncOpenAI, streaming, max_retries 0) straight to the engines
     envoy-rr         the SDK through Envoy round robin (the harness's Stack, mode envoy-rr)
     sluice           the SDK through Envoy + the sidecar at its shipped defaults (mode sluice)
 
-Per (shape, path): completions/s and output tokens/s in the window, and the CPU seconds spent in the window by
-the engines (their process groups: API server, EngineCore, worker), Envoy, the sidecar and the clients (this
-process). The shapes: the rig's reference request (800 prompt, 32 output tokens) and a long answer (100 prompt,
-256 output tokens, `ignore_eos`). Printed as a table; written with --json.
+Per (shape, path): completions/s and output tokens/s (counted as they stream) in the window, and the cores the
+engines (their process groups: API server, EngineCore, worker), Envoy, the sidecar and the clients (this process)
+used over the drive. The shapes: the rig's reference request (800 prompt, 32 output tokens) and a long answer
+(100 prompt, 256 output tokens, `ignore_eos`). Printed as a table; written with --json; `--show FILE` prints the
+table of a written file again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 STREAMS_PER_ENGINE = 16
-WARMUP_S, WINDOW_S = 3.0, 8.0
+WARMUP_S, WINDOW_S = 3.0, 12.0
+STAGGER_S = 0.05  # client k starts k x this late: streams of equal requests would otherwise end in waves
 SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256)}
 PATHS = ("direct aiohttp", "direct openai", "envoy-rr", "sluice")
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -46,17 +48,21 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 @dataclass
 class Window:
-    """What one (shape, path) measurement counts inside its window."""
+    """What one (shape, path) measurement counts inside its window: completions as they end, output tokens as
+    they stream (a long answer's tokens would otherwise all count at its end, in waves)."""
 
     start: float
     end: float
     completions: int = 0
     output_tokens: int = 0
 
-    def count(self, tokens: int) -> None:
+    def count(self) -> None:
         if self.start <= time.monotonic() <= self.end:
             self.completions += 1
-            self.output_tokens += tokens
+
+    def token(self) -> None:
+        if self.start <= time.monotonic() <= self.end:
+            self.output_tokens += 1
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -99,39 +105,41 @@ def body(prompt: int, output: int, salt: int) -> dict[str, Any]:
 
 
 async def aiohttp_client(session: Any, url: str, prompt: int, output: int, salt: int, stop_at: float,
-                         window: Window) -> None:
-    """The rig's client: POST, read the whole stream, count the completion (its usage's output tokens)."""
+                         window: Window, delay_s: float = 0.0) -> None:
+    """The rig's client: POST, read the whole stream, count its tokens and the completion."""
     import orjson
+
+    await asyncio.sleep(delay_s)
 
     n = 0
     while time.monotonic() < stop_at:
         data = orjson.dumps(body(prompt, output, salt + n))
         n += 1
-        tokens = 0
         async with session.post(url + "/v1/chat/completions", data=data,
                                 headers={"Content-Type": "application/json"}) as r:
             async for line in r.content:
-                if b'"completion_tokens"' in line:
-                    tokens = orjson.loads(line[len(b"data: "):])["usage"]["completion_tokens"]
+                if b'"content":"' in line and b'"content":""' not in line:  # one token a chunk (vLLM)
+                    window.token()
             ok = r.status == 200
         if ok:
-            window.count(tokens)
+            window.count()
 
 
-async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: float, window: Window) -> None:
+async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: float, window: Window,
+                        delay_s: float = 0.0) -> None:
     """The scenarios' client: the openai SDK streaming a chat completion, read to its end."""
+    await asyncio.sleep(delay_s)
     n = 0
     while time.monotonic() < stop_at:
         b = body(prompt, output, salt + n)
         n += 1
-        tokens = 0
         stream = await api.chat.completions.create(
             model=b["model"], messages=b["messages"], max_tokens=b["max_tokens"], stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            extra_body={"ignore_eos": True})
         async for chunk in stream:
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        window.count(tokens)
+            if chunk.choices and chunk.choices[0].delta.content:
+                window.token()
+        window.count()
 
 
 async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: int, warmup_s: float,
@@ -148,15 +156,16 @@ async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: i
         for url in urls:
             api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120.0)
             closers.append(api.close)
-            clients += [openai_client(api, prompt, output, salt + (len(clients) + k) * 100_000, window.end, window)
-                        for k in range(streams)]
+            clients += [openai_client(api, prompt, output, salt + (len(clients) + k) * 100_000, window.end, window,
+                                      STAGGER_S * (len(clients) + k)) for k in range(streams)]
         await asyncio.gather(*clients)
     else:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)
         async with aiohttp.ClientSession(connector=connector) as session:
             for url in urls:
                 clients += [aiohttp_client(session, url, prompt, output, salt + (len(clients) + k) * 100_000,
-                                           window.end, window) for k in range(streams)]
+                                           window.end, window, STAGGER_S * (len(clients) + k))
+                            for k in range(streams)]
             await asyncio.gather(*clients)
     for close in closers:
         await close()
@@ -253,7 +262,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--window", type=float, default=WINDOW_S, help="seconds measured per (shape, path)")
+    ap.add_argument("--show", nargs="+", metavar="FILE", help="print the tables of earlier --json files instead")
     args = ap.parse_args(argv)
+    if args.show:
+        for name in args.show:
+            data = json.loads(Path(name).read_text())
+            print(f"<!-- generated by `python -m bench.stack_tax --show {name}`; do not edit by hand -->")
+            print(f"{data['machine']['cpu_model']}, {data['date']}, {data['streams_per_engine']} streams per engine, "
+                  f"{data['window_s']:g} s window:\n")
+            print(table(data["paths"]) + "\n")
+        return 0
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result = run(window_s=args.window)
     print(table(result))

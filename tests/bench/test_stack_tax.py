@@ -11,10 +11,12 @@ from bench.stack_tax import PATHS, SHAPES, Window, group_cpu_s, pid_cpu_s, table
 def test_a_window_counts_only_what_ends_inside_it():
     now = time.monotonic()
     w = Window(now - 1.0, now + 60.0)
-    w.count(32)
+    w.token()
+    w.count()
     late = Window(now + 60.0, now + 70.0)
-    late.count(32)
-    assert (w.completions, w.output_tokens) == (1, 32) and late.completions == 0
+    late.token()
+    late.count()
+    assert (w.completions, w.output_tokens) == (1, 1) and (late.completions, late.output_tokens) == (0, 0)
 
 
 def test_a_process_groups_cpu_includes_its_members():
@@ -31,3 +33,18 @@ def test_the_table_gives_each_path_as_a_share_of_the_direct_probe():
     assert len(rows) == 2 + len(SHAPES) * len(PATHS)
     assert "| sluice | 5.0 | 0.50 |" in rows[2 + PATHS.index("sluice")]
     assert "| direct aiohttp | 10.0 | 1.00 |" in rows[2]
+
+
+def test_show_prints_the_table_of_a_written_file(tmp_path, capsys):
+    import json
+
+    from bench.stack_tax import main
+
+    paths = {p: {s: {"completions_per_s": 4.0, "output_tokens_per_s": 8.0, "cores": {"engines": 1.9}}
+                 for s in SHAPES} for p in PATHS}
+    f = tmp_path / "tax.json"
+    f.write_text(json.dumps({"date": "d", "machine": {"cpu_model": "cpu"}, "streams_per_engine": 16,
+                             "window_s": 8.0, "paths": paths}))
+    assert main(["--show", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu, d, 16 streams per engine, 8 s window" in out and out.count("| sluice | 4.0 | 1.00 |") == len(SHAPES)
