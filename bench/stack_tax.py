@@ -1,9 +1,11 @@
-"""`python -m bench.stack_tax [--json FILE]`: what the scenarios' own stack (the openai SDK, Envoy, the sidecar)
-takes from the two real engines' throughput on this machine (issue 16: the simulated column's speed).
+"""`python -m bench.stack_tax [--json FILE]`: what the scenarios' own stack (Envoy, the sidecar) takes from the two
+real engines' throughput on this machine, and what the openai SDK as a client would (issue 16: the simulated
+column's speed).
 
 Why: the rig probe (bench/rig.py) drives the two engines straight, with a light aiohttp client, and finds what
 share of the preset's capacity they deliver side by side (0.477 on the Xeon). The scenarios drive them through
-Envoy and a gateway with the openai SDK, on the same two cores, and the simulated column ran at that one share:
+Envoy and a gateway (their clients are aiohttp behaving as the openai SDK does, bench/openloop.py), on the same two
+cores, and the simulated column ran at that one share:
 long prompts that arrive slowly came out twice as slow as the engines ran them, streams of answers about right
 (docs/benchmarks.md, "The simulated column on the rig's shared cores"). The engines do not slow each other
 (bench/contend.py), so the rest of the machine takes the difference; which part was not measured.
@@ -13,9 +15,10 @@ keep `STREAMS_PER_ENGINE` x 2 streaming chat completions in flight back to back 
 hit; their starts staggered) for `WINDOW_S` after `WARMUP_S`, along each path in turn:
 
     direct aiohttp   the rig's probe: aiohttp straight to the engines
-    direct openai    the openai SDK (AsyncOpenAI, streaming, max_retries 0) straight to the engines
-    envoy-rr         the SDK through Envoy round robin (the harness's Stack, mode envoy-rr)
-    sluice           the SDK through Envoy + the sidecar at its shipped defaults (mode sluice)
+    envoy-rr         the same client through Envoy round robin (the harness's Stack, mode envoy-rr)
+    sluice           the same client through Envoy + the sidecar at its shipped defaults (mode sluice)
+    direct openai    the openai SDK itself (AsyncOpenAI, streaming, max_retries 0) straight to the engines: what
+                     the end-to-end tests' client costs, for comparison
 
 Per (shape, path): completions/s and output tokens/s (counted as they stream) in the window, and the cores the
 engines (their process groups: API server, EngineCore, worker), Envoy, the sidecar and the clients (this process)
@@ -42,7 +45,7 @@ STREAMS_PER_ENGINE = 16
 WARMUP_S, WINDOW_S = 3.0, 12.0
 STAGGER_S = 0.05  # client k starts k x this late: streams of equal requests would otherwise end in waves
 SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256)}
-PATHS = ("direct aiohttp", "direct openai", "envoy-rr", "sluice")
+PATHS = ("direct aiohttp", "envoy-rr", "sluice", "direct openai")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -207,7 +210,7 @@ def measure_path(path: str, engines: list[Any], run_dir: Path, salt: int, stream
             per_url = streams * len(engines) // len(urls)
             before = cpu_now(engines, stack)
             t0 = time.monotonic()
-            window = asyncio.run(drive(urls, path != "direct aiohttp", prompt, output, per_url, warmup_s, window_s,
+            window = asyncio.run(drive(urls, path == "direct openai", prompt, output, per_url, warmup_s, window_s,
                                        salt + i * 10_000_000))
             after = cpu_now(engines, stack)
             elapsed = time.monotonic() - t0  # the whole drive, warm-up included: cores = CPU seconds / elapsed
