@@ -20,11 +20,11 @@ hit; their starts staggered) for `WINDOW_S` after `WARMUP_S`, along each path in
     direct openai    the openai SDK itself (AsyncOpenAI, streaming, max_retries 0) straight to the engines: what
                      the end-to-end tests' client costs, for comparison
 
-Per (shape, path): completions/s and output tokens/s (counted as they stream) in the window, and the cores the
-engines (their process groups: API server, EngineCore, worker), Envoy, the sidecar and the clients (this process)
-used over the drive. The shapes: the rig's reference request (800 prompt, 32 output tokens) and a long answer
-(100 prompt, 256 output tokens, `ignore_eos`). Printed as a table; written with --json; `--show FILE` prints the
-table of a written file again.
+Per (shape, path): completions/s, output tokens/s (counted as they stream), refusals/s and the completions' median
+time to first token in the window, and the cores the engines (their process groups: API server, EngineCore, worker),
+Envoy, the sidecar and the clients (this process) used over the drive. The shapes: the rig's reference request (800
+prompt, 32 output tokens) and a long answer (100 prompt, 256 output tokens, `ignore_eos`). Printed as a table;
+written with --json; `--show FILE` prints the table of a written file again.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import dataclasses
 import json
 import os
 import resource
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -58,10 +59,18 @@ class Window:
     end: float
     completions: int = 0
     output_tokens: int = 0
+    failed: int = 0                                        # answers other than 200 (a gateway's refusals)
+    ttfts: list[float] = field(default_factory=list)       # seconds from send to the first token, completions only
 
-    def count(self) -> None:
+    def count(self, ttft: float | None = None) -> None:
         if self.start <= time.monotonic() <= self.end:
             self.completions += 1
+            if ttft is not None:
+                self.ttfts.append(ttft)
+
+    def fail(self) -> None:
+        if self.start <= time.monotonic() <= self.end:
+            self.failed += 1
 
     def token(self) -> None:
         if self.start <= time.monotonic() <= self.end:
@@ -118,14 +127,20 @@ async def aiohttp_client(session: Any, url: str, prompt: int, output: int, salt:
     while time.monotonic() < stop_at:
         data = orjson.dumps(body(prompt, output, salt + n))
         n += 1
+        sent, first = time.monotonic(), None
         async with session.post(url + "/v1/chat/completions", data=data,
                                 headers={"Content-Type": "application/json"}) as r:
             async for line in r.content:
                 if b'"content":"' in line and b'"content":""' not in line:  # one token a chunk (vLLM)
+                    if first is None:
+                        first = time.monotonic() - sent
                     window.token()
             ok = r.status == 200
         if ok:
-            window.count()
+            window.count(first)
+        else:
+            window.fail()
+            await asyncio.sleep(0.1)  # a refusal comes back at once: not a busy loop
 
 
 async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: float, window: Window,
@@ -136,13 +151,16 @@ async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: 
     while time.monotonic() < stop_at:
         b = body(prompt, output, salt + n)
         n += 1
+        sent, first = time.monotonic(), None
         stream = await api.chat.completions.create(
             model=b["model"], messages=b["messages"], max_tokens=b["max_tokens"], stream=True,
             extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.monotonic() - sent
                 window.token()
-        window.count()
+        window.count(first)
 
 
 async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: int, warmup_s: float,
@@ -215,11 +233,15 @@ def measure_path(path: str, engines: list[Any], run_dir: Path, salt: int, stream
             after = cpu_now(engines, stack)
             elapsed = time.monotonic() - t0  # the whole drive, warm-up included: cores = CPU seconds / elapsed
             cores = {part: round((after[part] - before[part]) / elapsed, 2) for part in after if part in before}
+            ttft = statistics.median(window.ttfts) if window.ttfts else None
             out[shape] = {"completions_per_s": round(window.completions / window_s, 2),
                           "output_tokens_per_s": round(window.output_tokens / window_s, 1),
+                          "failed_per_s": round(window.failed / window_s, 2),
+                          "ttft_p50_s": None if ttft is None else round(ttft, 3),
                           "cores": cores}
             print(f"  {path:15s} {shape:24s} {out[shape]['completions_per_s']:7.2f} completions/s "
-                  f"{out[shape]['output_tokens_per_s']:8.1f} tokens/s  cores {cores}", flush=True)
+                  f"{out[shape]['output_tokens_per_s']:8.1f} tokens/s  failed {out[shape]['failed_per_s']}/s  "
+                  f"TTFT p50 {out[shape]['ttft_p50_s']} s  cores {cores}", flush=True)
         return out
     finally:
         if stack is not None:
@@ -246,8 +268,8 @@ def run(streams: int = STREAMS_PER_ENGINE, warmup_s: float = WARMUP_S,
 
 def table(result: dict[str, dict[str, Any]]) -> str:
     """One row per (shape, path): throughput, its share of the direct probe's, and the cores each part used."""
-    lines = ["| shape | path | completions/s | of direct aiohttp | output tokens/s | cores: engines | clients | "
-             "envoy | sidecar |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | path | completions/s | of direct aiohttp | output tokens/s | failed/s | TTFT p50 (s) | "
+             "cores: engines | clients | envoy | sidecar |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
         base = result["direct aiohttp"][shape]["completions_per_s"]
         for path in PATHS:
@@ -255,6 +277,7 @@ def table(result: dict[str, dict[str, Any]]) -> str:
             c = row["cores"]
             share = f"{row['completions_per_s'] / base:.2f}" if base else "-"
             lines.append(f"| {shape} | {path} | {row['completions_per_s']} | {share} | {row['output_tokens_per_s']} "
+                         f"| {row.get('failed_per_s', '-')} | {row.get('ttft_p50_s', '-')} "
                          f"| {c.get('engines', '-')} | {c.get('clients', '-')} | {c.get('envoy', '-')} | "
                          f"{c.get('sidecar', '-')} |")
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """The KV requests in flight will still grow into (kv_growth.py): each request's expected output still to decode,
 own and the other sidecars', counted against the KV a replica has while a new request would run (PG, P9)."""
 
+from typing import Callable
+
 import pytest
 
 from extproc.admission.kv_growth import COMPACT_MIN, KvGrowth
@@ -77,13 +79,17 @@ def share(placers: list[Placer], now: float) -> None:
                           sum(o.inflight_tokens - o.inflight_prompt_tokens for o, _ in others))
 
 
-def burst(placers: list[Placer], n: int, shared: bool) -> list[int]:
+def burst(placers: list[Placer], n: int, shared: bool,
+          on_arrival: Callable[[float], None] | None = None) -> list[int]:
     """`n` long generations arriving round robin over the sidecars within 0.3 s, no scrape in between (the engines
-    would show their prompts only); returns the requests placed per replica, all sidecars together."""
+    would show their prompts only); returns the requests placed per replica, all sidecars together. `shared`: the
+    shared view refreshed before each arrival; `on_arrival(now)`: called before each (a view on its own clock)."""
     for i in range(n):
         now = 1.0 + 0.3 * i / n
         if shared:
             share(placers, now)
+        if on_arrival is not None:
+            on_arrival(now)
         p = placers[i % len(placers)]
         pins = p.choose(req(), 0, now)
         if pins is not None:

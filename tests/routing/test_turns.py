@@ -11,7 +11,7 @@ from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler
 from extproc.routing.turns import TURN_INTERVALS, TURN_WAIT_INTERVALS, Turns
 from tests.admission.test_kv_committed import req as kv_req, scheduler
-from tests.admission.test_kv_growth import long_pool, req, share
+from tests.admission.test_kv_growth import burst, long_pool, share
 
 IDS = ("a", "b", "c")
 INTERVAL_S = 0.1
@@ -88,26 +88,22 @@ def test_a_new_holder_waits_until_its_view_can_show_the_previous_holders_last_pl
 
 
 def burst_between_views(placers: list[Placer], turns: list[Turns] | None, n: int = 75) -> list[int]:
-    """`n` long generations arriving round robin over three sidecars within 0.3 s; each sidecar's shared view is
-    refreshed every INTERVAL_S (as shared_load.py does), not before each placement; no scrape in between. Returns
-    the requests placed per replica, all sidecars together."""
-    if turns is not None:
-        for p, t in zip(placers, turns):
-            p.turns = t
-    view_at = None
-    for i in range(n):
-        now = 1.0 + 0.3 * i / n
+    """`n` long generations arriving round robin over three sidecars within 0.3 s (test_kv_growth's `burst`), each
+    sidecar's shared view refreshed every INTERVAL_S (as shared_load.py does), not before each placement."""
+    for p, t in zip(placers, turns or ()):
+        p.turns = t
+    views: list[int] = []
+
+    def refresh(now: float) -> None:
         interval = int(now / INTERVAL_S)
-        if interval != view_at:
-            view_at = interval
-            share(placers, now)
-            for t in turns or ():
-                t.update(now * 1000, {"m": set(IDS) - {t.sidecar_id}}, mono=now)
-        p = placers[i % len(placers)]
-        pins = p.choose(req(), 0, now)
-        if pins is not None:
-            p.commit(pins[0], req(), 0, now)
-    return [sum(p.pool.replicas[i].inflight_requests for p in placers) for i in range(3)]
+        if views and views[-1] == interval:
+            return
+        views.append(interval)
+        share(placers, now)
+        for t in turns or ():
+            t.update(now * 1000, {"m": set(IDS) - {t.sidecar_id}}, mono=now)
+
+    return burst(placers, n, shared=False, on_arrival=refresh)
 
 
 def test_between_two_views_three_gateways_fill_no_more_than_the_replicas_kv_holds():
