@@ -47,4 +47,12 @@ def test_show_prints_the_table_of_a_written_file(tmp_path, capsys):
                              "window_s": 8.0, "paths": paths}))
     assert main(["--show", str(f)]) == 0
     out = capsys.readouterr().out
-    assert "cpu, d, 16 streams per engine, 8 s window" in out and out.count("| sluice | 4.0 | 1.00 |") == len(SHAPES)
+    assert "cpu, d, 2 engines, 16 streams per engine, 8 s window" in out
+    assert out.count("| sluice | 4.0 | 1.00 |") == len(SHAPES)
+
+
+def test_a_run_of_one_path_shows_that_path_alone():
+    result = {"direct aiohttp": {s: {"completions_per_s": 3.0, "output_tokens_per_s": 1.0, "cores": {}}
+                                 for s in SHAPES}}
+    rows = table(result).splitlines()
+    assert len(rows) == 2 + len(SHAPES) and all("| direct aiohttp | 3.0 | 1.00 |" in r for r in rows[2:])
