@@ -3,47 +3,62 @@ must give that model back (the probes and the simulated rows describe the same s
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from extproc.sim import SimConfig, SimServer, start_sim
 from extproc.sim.calibrate import HIGH, LOW, SPEC_BY_NAME, main
 from extproc.sim.presets import get_preset
+from extproc.supervisor import free_ports
+from tests.waiting import wait_for
 
-TIME_SCALE = 20  # the probes run 20x faster; latencies of the HTTP path itself are then not modelled
+TIME_SCALE = 10  # the probes run 10x faster; latencies of the HTTP path itself are then not modelled
 
 
 @pytest.fixture(scope="module")
-def sims() -> Iterator[list[SimServer]]:
-    """A normal replica and a small-KV one, served from their own event loop in a thread."""
-    ready, stop, out = threading.Event(), threading.Event(), []
+def sims() -> Iterator[list[str]]:
+    """A normal replica and a small-KV one (`python -m extproc.sim`), each its own process, as the engines it
+    stands in for are: in a thread of the measuring process they shared its GIL, and the probes' timings moved by
+    more than the rows' tolerance on a busy machine (3 runs in 5 on 2026-12-07 at 20x). Their URLs."""
+    ports = free_ports(2)
+    procs = []
+    for port, extra in zip(ports, ([], ["--num-gpu-blocks", "80"])):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "extproc.sim", "--port", str(port), "--host", "127.0.0.1", "--model", "m",
+             "--time-scale", str(TIME_SCALE), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc in zip(urls, procs):
+            wait_for(lambda: _healthy(url) or proc.poll() is not None, timeout=60.0, interval=0.1)
+            assert proc.poll() is None, f"the simulator at {url} exited ({proc.returncode})"
+        yield urls
+    finally:
+        for proc in procs:  # stopped by PID, the ones this fixture started
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
 
-    async def serve() -> None:
-        cfgs = [SimConfig(port=0, time_scale=TIME_SCALE, model="m"),
-                SimConfig(port=0, time_scale=TIME_SCALE, model="m", num_gpu_blocks=80)]
-        out.extend([await start_sim(c) for c in cfgs])
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        for s in out:
-            await s.stop()
 
-    t = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
-    t.start()
-    assert ready.wait(10)
-    yield out
-    stop.set()
-    t.join(10)
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
-def test_calibrating_against_a_simulator_recovers_its_model(sims: list[SimServer], tmp_path: Path) -> None:
+def test_calibrating_against_a_simulator_recovers_its_model(sims: list[str], tmp_path: Path) -> None:
     out, preset_file = tmp_path / "m.json", tmp_path / "p.json"
-    main(["--against", sims[0].url, "--preempt-url", sims[1].url, "--repeats", "5", "--max-num-seqs", "64",
+    main(["--against", sims[0], "--preempt-url", sims[1], "--repeats", "5", "--max-num-seqs", "64",
           "--json", str(out), "--write-preset", str(preset_file)])
     m = json.loads(out.read_text())
     assert m["engine"]["version"] == "0.32.0+sluice.sim"
