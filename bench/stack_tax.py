@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import resource
 import statistics
 import tempfile
@@ -42,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from bench.procstat import cpu_seconds, group_cpu_seconds
+
 STREAMS_PER_ENGINE = 16
 WARMUP_S, WINDOW_S = 3.0, 12.0
 STAGGER_S = 0.05  # client k starts k x this late: streams of equal requests would otherwise end in waves
 SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256)}
 PATHS = ("direct aiohttp", "envoy-rr", "sluice", "direct openai")
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -77,30 +77,11 @@ class Window:
             self.output_tokens += 1
 
 
-def group_cpu_s(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group `pgid` (an engine: its API server leads
-    the group, EngineCore and the worker are in it)."""
-    total = 0.0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
-    return total
-
-
-def pid_cpu_s(pid: int) -> float:
+def _cpu_or_zero(pid: int) -> float:
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
+        return cpu_seconds(pid)
+    except OSError:  # it has exited
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def own_cpu_s() -> float:
@@ -118,7 +99,8 @@ def body(prompt: int, output: int, salt: int) -> dict[str, Any]:
 
 async def aiohttp_client(session: Any, url: str, prompt: int, output: int, salt: int, stop_at: float,
                          window: Window, delay_s: float = 0.0) -> None:
-    """The rig's client: POST, read the whole stream, count its tokens and the completion."""
+    """The rig's client, and the scenarios' (bench/openloop.py is aiohttp too): POST, read the whole stream, count
+    its tokens and the completion."""
     import orjson
 
     await asyncio.sleep(delay_s)
@@ -145,7 +127,7 @@ async def aiohttp_client(session: Any, url: str, prompt: int, output: int, salt:
 
 async def openai_client(api: Any, prompt: int, output: int, salt: int, stop_at: float, window: Window,
                         delay_s: float = 0.0) -> None:
-    """The scenarios' client: the openai SDK streaming a chat completion, read to its end."""
+    """The openai SDK itself (the end-to-end tests' client) streaming a chat completion, read to its end."""
     await asyncio.sleep(delay_s)
     n = 0
     while time.monotonic() < stop_at:
@@ -196,11 +178,11 @@ async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: i
 def cpu_now(engines: list[Any], stack: Any | None) -> dict[str, float]:
     from bench.runner import _gateway_pids
 
-    out = {"engines": sum(group_cpu_s(e.pgid) for e in engines), "clients": own_cpu_s()}
+    out = {"engines": sum(group_cpu_seconds(e.pgid) for e in engines), "clients": own_cpu_s()}
     if stack is not None:
         for part, pids in _gateway_pids(stack).items():
             if pids:
-                out[part] = sum(pid_cpu_s(p) for p in pids)
+                out[part] = sum(_cpu_or_zero(p) for p in pids)
     return out
 
 

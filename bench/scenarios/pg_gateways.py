@@ -157,6 +157,8 @@ class S(Scenario):
         try:
             if system in (SHARED, TURNS):
                 redis, redis_url = runner.start_redis(run_dir)
+            if system == TURNS:  # beyond the deployment facts `_meta.sluice_policy` lists: shown for its cost
+                info["notes"].append("routing.shared_load.take_turns: true (the opt-in, off by default)")
             for stack in self.gateway_stacks(run_dir, seed, redis_url, backend, take_turns=system == TURNS):
                 stacks.append(stack)
                 stack.start()

@@ -25,9 +25,9 @@ left out of N: a lone active gateway fills the pool at the full rate.
 The turn of replica r in period e (TURN_INTERVALS x interval_s, counted on Redis' clock, which every sidecar
 reads at each round trip) is the sidecar at index (e + rank of r) mod N of the active ids, sorted (rank: r's place
 among the pool's addresses, sorted): in each period each sidecar holds the turn on some replicas when
-N <= replicas. A new holder uses its turn only once its view
-was read TURN_WAIT_INTERVALS x interval_s after the period began: the previous holder's last placements were
-published by then (each sidecar publishes once per interval), so two holders never both see the same last place.
+N <= replicas. A new holder uses its turn only once its view was read TURN_WAIT_INTERVALS x interval_s after the
+period began: the previous holder's last placements were published by then (each sidecar publishes once per
+interval), so the new holder does not take a last place the previous one took just before the period ended.
 A place that frees up waits at most one period (0.4 s at the default interval) for a holder with a request.
 
 The cost (PG at `fb4a061`, six seeds, docs/benchmarks.md "PG's race closed by taking turns"): 5 preemptions

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from bench.stack_tax import PATHS, SHAPES, Window, group_cpu_s, pid_cpu_s, table
+from bench.procstat import cpu_seconds, group_cpu_seconds
+from bench.stack_tax import PATHS, SHAPES, Window, table
 
 
 def test_a_window_counts_only_what_ends_inside_it():
@@ -23,8 +24,8 @@ def test_a_process_groups_cpu_includes_its_members():
     spent = time.process_time() + 0.05
     while time.process_time() < spent:  # bounded: 50 ms of CPU
         pass
-    own = pid_cpu_s(os.getpid())  # read first: the group's scan, read after, can only have more of it
-    assert group_cpu_s(os.getpgid(0)) >= own > 0
+    own = cpu_seconds(os.getpid())  # read first: the group's scan, read after, can only have more of it
+    assert group_cpu_seconds(os.getpgid(0)) >= own > 0
 
 
 def test_the_table_gives_each_path_as_a_share_of_the_direct_probe():
