@@ -6,7 +6,11 @@ clock) offline with the scenario's engine flags, so it follows the preset when t
   * `ttft_alone_s(prompt)`: one request on an idle engine (frontend + its prefill chunks + first sample);
   * `capacity_rps(prompt, output)`: completions per second of one replica kept saturated with identical
     requests: a backlog of `SATURATION` requests queued at once, divided by the time the engine needs to finish
-    them all (the batch's ramp-up and drain at the ends are a few percent of that time).
+    them all (the batch's ramp-up and drain at the ends are a few percent of that time);
+  * `closed_loop_rps(streams, prompt, output)`: completions per second of one replica kept busy by `streams`
+    clients, each sending its next request when its answer ends: what a load probe with that many clients sees
+    (bench/rig.py), which is less than `capacity_rps` when `streams` is under the engine's `max_num_seqs` (each
+    step's fixed cost is shared by fewer sequences).
 A pool's capacity is `replicas x capacity_rps`: replicas are independent engines.
 
 The scenarios (bench/scenarios/) state their offered load, prompt sizes, KV sizes and SLOs through these
@@ -39,6 +43,7 @@ from extproc.sim.engine import Engine, Request
 from extproc.sim.presets import Preset, get_preset
 
 SATURATION = 400  # requests queued at once to measure a saturated engine
+CLOSED_LOOP_WARMUP, CLOSED_LOOP_COUNTED = 2, 12  # completions per client skipped, then counted (closed_loop_rps)
 SLO_SCALE = 5.0   # a user's TTFT SLO = this x the request's latency on an idle replica ...
 SLO_FLOOR_S = 0.5  # ... and never under this
 NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)  # x 10^k: the numbers users write SLOs in
@@ -151,6 +156,41 @@ def engine_capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
 
 
 @functools.lru_cache(maxsize=256)
+def closed_loop_rps(spec: EngineSpec, streams: int, prompt: int, output: int) -> float:
+    """Completions per second of one simulated replica kept busy by `streams` clients, each sending its next
+    request (`prompt` + `output` tokens) the moment its previous answer ends, as bench/rig.py's probe does:
+
+        rate = completions counted / (last counted completion - the end of the warm-up)
+
+    The first `CLOSED_LOOP_WARMUP` x `streams` completions are the warm-up (the clients start together); the next
+    `CLOSED_LOOP_COUNTED` x `streams` are counted."""
+    engine = spec.engine()
+    warmup, total = CLOSED_LOOP_WARMUP * streams, (CLOSED_LOOP_WARMUP + CLOSED_LOOP_COUNTED) * streams
+    for k in range(streams):
+        engine.add(Request(f"c{k}", prompt, output), 0.0)
+    sent, finished, warm_end = streams, 0, 0.0
+    for _ in range(10_000_000):
+        step = engine.schedule()
+        if step is None:
+            nxt = engine.next_ready_time()
+            if nxt is None or nxt <= engine.clock:
+                return float("nan")  # nothing left to run: the engine cannot serve the request
+            engine.clock = nxt
+            continue
+        for req in engine.complete(step):
+            if not req.finished:
+                continue
+            finished += 1
+            if finished == warmup:
+                warm_end = engine.clock
+            elif finished == total:
+                return (total - warmup) / (engine.clock - warm_end)
+            engine.add(Request(f"c{sent}", prompt, output), engine.clock)
+            sent += 1
+    return float("nan")
+
+
+@functools.lru_cache(maxsize=256)
 def latency_alone_s(spec: EngineSpec, prompt: int, output: int) -> float:
     """Seconds from arrival to the last token of one request on an idle replica."""
     engine = spec.engine()
@@ -212,6 +252,7 @@ def mix_capacity_rps(spec: EngineSpec, mix: list[tuple[float, int, int]]) -> flo
     return 1.0 / seconds
 
 
-__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "engine_capacity_rps", "LOAD_SCALE",
+__all__ = ["EngineSpec", "drive", "ttft_alone_s", "capacity_rps", "engine_capacity_rps", "closed_loop_rps",
+           "LOAD_SCALE",
            "mix_capacity_rps", "latency_alone_s", "pool_rps", "decode_tok_s", "kv_tokens", "blocks_for_tokens",
            "prompt_for_ttft", "slo_ttft_s", "nice_up"]

@@ -22,17 +22,25 @@ def cpu_seconds(pid: int) -> float:
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group `pgid` (a vLLM engine: its API server leads
     the group, EngineCore and the worker are in it)."""
-    total = 0.0
+    return sum(group_cpu_by_name(pgid).values())
+
+
+def group_cpu_by_name(pgid: int) -> dict[str, float]:
+    """`group_cpu_seconds` per command name (/proc/PID/comm: a vLLM engine's are `vllm`, its API server,
+    `VLLM::EngineCor` and `VLLM::Worker`), summed over the processes of that name."""
+    out: dict[str, float] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            fields = _stat(entry.name)
+            with open(f"/proc/{entry.name}/stat") as fh:
+                text = fh.read()
         except OSError:
             continue
+        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
-    return total
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
 
 
 def rss_bytes(pid: int) -> int:

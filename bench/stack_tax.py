@@ -21,10 +21,16 @@ hit; their starts staggered) for `WINDOW_S` after `WARMUP_S`, along each path in
                      the end-to-end tests' client costs, for comparison
 
 Per (shape, path): completions/s, output tokens/s (counted as they stream), refusals/s and the completions' median
-time to first token in the window, and the cores the engines (their process groups: API server, EngineCore, worker),
-Envoy, the sidecar and the clients (this process) used over the drive. The shapes: the rig's reference request (800
-prompt, 32 output tokens) and a long answer (100 prompt, 256 output tokens, `ignore_eos`). Printed as a table;
-written with --json; `--show FILE` prints the table of a written file again.
+time to first token in the window, and the cores the engines (their process groups, split into the API server,
+EngineCore's scheduler and the worker that computes), Envoy, the sidecar and the clients (this process) used over
+the drive. The shapes: the rig's reference request (800 prompt, 32 output tokens), a long answer (100 prompt, 256
+output tokens, `ignore_eos`) and a tiny request (16 prompt, 1 output token), where the engine's own work is least
+and its API server's per-request work shows. Printed as a table; written with --json; `--show FILE` prints the
+table of a written file again.
+
+`--model PRESET` adds what the preset's cost model serves under the same load: per engine, `streams` clients back
+to back on a simulated replica (bench/capacity.py `closed_loop_rps`), times the engines; the table gives each
+path's completions/s as a share of it.
 """
 
 from __future__ import annotations
@@ -41,12 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from bench.procstat import cpu_seconds, group_cpu_seconds
+from bench.procstat import cpu_seconds, group_cpu_by_name
 
 STREAMS_PER_ENGINE = 16
 WARMUP_S, WINDOW_S = 3.0, 12.0
 STAGGER_S = 0.05  # client k starts k x this late: streams of equal requests would otherwise end in waves
-SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256)}
+SHAPES = {"prompt 800 / output 32": (800, 32), "prompt 100 / output 256": (100, 256), "prompt 16 / output 1": (16, 1)}
+# an engine's processes by command name (/proc/PID/comm) -> the part of the engine each is
+ENGINE_PARTS = {"vllm": "api server", "VLLM::EngineCor": "engine core", "VLLM::Worker": "worker"}
 PATHS = ("direct aiohttp", "envoy-rr", "sluice", "direct openai")
 
 
@@ -178,7 +186,12 @@ async def drive(urls: list[str], sdk: bool, prompt: int, output: int, streams: i
 def cpu_now(engines: list[Any], stack: Any | None) -> dict[str, float]:
     from bench.runner import _gateway_pids
 
-    out = {"engines": sum(group_cpu_seconds(e.pgid) for e in engines), "clients": own_cpu_s()}
+    out = {"engines": 0.0, "clients": own_cpu_s(), **{part: 0.0 for part in ENGINE_PARTS.values()}}
+    for e in engines:
+        for name, seconds in group_cpu_by_name(e.pgid).items():
+            out["engines"] += seconds
+            if name in ENGINE_PARTS:
+                out[ENGINE_PARTS[name]] += seconds
     if stack is not None:
         for part, pids in _gateway_pids(stack).items():
             if pids:
@@ -248,19 +261,47 @@ def run(streams: int = STREAMS_PER_ENGINE, warmup_s: float = WARMUP_S, window_s:
         vllm_cpu.stop_engines(engines)
 
 
-def table(result: dict[str, dict[str, Any]]) -> str:
-    """One row per (shape, path): throughput, its share of the direct probe's, and the cores each part used."""
-    lines = ["| shape | path | completions/s | of direct aiohttp | output tokens/s | failed/s | TTFT p50 (s) | "
-             "cores: engines | clients | envoy | sidecar |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for shape in SHAPES:
+def model_rps(preset: str, engines_n: int, streams: int) -> dict[str, float]:
+    """Per shape, the completions/s the preset's cost model gives `engines_n` engines with `streams` clients each
+    (bench/capacity.py `closed_loop_rps`)."""
+    from bench.capacity import EngineSpec, closed_loop_rps
+
+    spec = EngineSpec.of(preset)
+    return {shape: round(engines_n * closed_loop_rps(spec, streams, *size), 2) for shape, size in SHAPES.items()}
+
+
+def _engine_cores(c: dict[str, float]) -> str:
+    """The engines' cores, split into API server / engine core / worker where the run recorded it."""
+    if "engines" not in c:
+        return "-"
+    parts = [c.get(part) for part in ENGINE_PARTS.values()]
+    if any(v is None for v in parts):
+        return str(c["engines"])
+    return f"{c['engines']} ({' / '.join(str(v) for v in parts)})"
+
+
+def table(result: dict[str, dict[str, Any]], model: dict[str, float] | None = None) -> str:
+    """One row per (shape, path): throughput, its share of the direct probe's (and of the model's, with `model`),
+    and the cores each part used."""
+    head = "| shape | path | completions/s | of direct aiohttp | "
+    head += "of the model | " if model else ""
+    head += ("output tokens/s | failed/s | TTFT p50 (s) | cores: engines (api server / engine core / worker) | "
+             "clients | envoy | sidecar |")
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
+    for shape in (s for s in SHAPES if any(s in r for r in result.values())):
         base = result["direct aiohttp"][shape]["completions_per_s"] if "direct aiohttp" in result else 0
         for path in (p for p in PATHS if p in result):
             row = result[path][shape]
             c = row["cores"]
             share = f"{row['completions_per_s'] / base:.2f}" if base else "-"
-            lines.append(f"| {shape} | {path} | {row['completions_per_s']} | {share} | {row['output_tokens_per_s']} "
-                         f"| {row.get('failed_per_s', '-')} | {row.get('ttft_p50_s', '-')} "
-                         f"| {c.get('engines', '-')} | {c.get('clients', '-')} | {c.get('envoy', '-')} | "
+            of_model = ""
+            if model:
+                m = model.get(shape)
+                of_model = f"{row['completions_per_s'] / m:.2f} of {m} | " if m else "- | "
+            lines.append(f"| {shape} | {path} | {row['completions_per_s']} | {share} | {of_model}"
+                         f"{row['output_tokens_per_s']} | {row.get('failed_per_s', '-')} | "
+                         f"{row.get('ttft_p50_s', '-')} | {_engine_cores(c)} | {c.get('clients', '-')} | "
+                         f"{c.get('envoy', '-')} | "
                          f"{c.get('sidecar', '-')} |")
     return "\n".join(lines)
 
@@ -274,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, choices=(1, 2), default=2,
                     help="engines started, one per core (1: the other core left to the clients)")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of: {', '.join(PATHS)}")
+    ap.add_argument("--model", metavar="PRESET", help="also give each path's throughput as a share of what this "
+                                                      "preset (a name or a .json file) serves under the same load")
     args = ap.parse_args(argv)
     paths = tuple(p.strip() for p in args.paths.split(","))
     if any(p not in PATHS for p in paths):
@@ -281,15 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.show:
         for name in args.show:
             data = json.loads(Path(name).read_text())
-            print(f"<!-- generated by `python -m bench.stack_tax --show {name}`; do not edit by hand -->")
             n = data.get("engines", 2)
+            model = model_rps(args.model, n, data["streams_per_engine"]) if args.model else None
+            more = f" --model {args.model}" if args.model else ""
+            print(f"<!-- generated by `python -m bench.stack_tax --show {name}{more}`; do not edit by hand -->")
             print(f"{data['machine']['cpu_model']}, {data['date']}, {n} engine{'s' if n != 1 else ''}, "
-                  f"{data['streams_per_engine']} streams per engine, {data['window_s']:g} s window:\n")
-            print(table(data["paths"]) + "\n")
+                  f"{data['streams_per_engine']} streams per engine, {data['window_s']:g} s window"
+                  + (f"; the model: {args.model} under the same clients" if model else "") + ":\n")
+            print(table(data["paths"], model) + "\n")
         return 0
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result = run(window_s=args.window, engines_n=args.engines, paths=paths)
-    print(table(result))
+    model = model_rps(args.model, args.engines, STREAMS_PER_ENGINE) if args.model else None
+    print(table(result, model))
     if args.json:
         from extproc.sim.measure import machine_info
 

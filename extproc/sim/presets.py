@@ -190,12 +190,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (TINY_CPU, LLAMA_8B_H100)}
 
 
 def get_preset(name: str) -> Preset:
-    """A named preset, or one written by ``sluice sim calibrate --write-preset FILE`` (a .json path)."""
+    """A named preset, or one written by ``sluice sim calibrate --write-preset FILE`` (a .json path), or the preset
+    a measurement of ``sluice sim calibrate --json FILE`` was fitted to (its ``preset``)."""
     if name in PRESETS:
         return PRESETS[name]
     if name.endswith(".json") and Path(name).is_file():
         try:
-            return preset_from_json(json.loads(Path(name).read_text()))
+            data = json.loads(Path(name).read_text())
+            if "measurements" in data and "preset" in data:
+                data = data["preset"]
+            return preset_from_json(data)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"preset file {name}: {e}") from None
     raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))} or a preset .json file")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import rig
-from bench.capacity import LOAD_SCALE, EngineSpec, _rig_load_scale, engine_capacity_rps
+from bench.capacity import LOAD_SCALE, EngineSpec, _rig_load_scale, closed_loop_rps, engine_capacity_rps
 from bench.scenarios.base import MODEL
 from extproc.sim import SimConfig, start_sim
 
@@ -56,8 +56,8 @@ def test_a_load_scale_out_of_range_is_an_error(tmp_path: Path) -> None:
 
 
 def test_the_probe_counts_completions_in_its_window_and_no_more_than_the_engines_serve() -> None:
-    """Two simulated replicas (the cost model's own engines) kept busy by the probe: it measures completions, and
-    never more than the cost model's saturated capacity."""
+    """Two simulated replicas (the cost model's own engines) kept busy by the probe: it measures what the cost
+    model gives for the same clients (closed_loop_rps), which is less than its backlog capacity."""
 
     async def run() -> float:
         sims = [await start_sim(SimConfig(port=0, model=MODEL)) for _ in range(2)]
@@ -68,8 +68,9 @@ def test_the_probe_counts_completions_in_its_window_and_no_more_than_the_engines
                 await s.stop()
 
     measured = asyncio.run(run())
-    model = 2 * engine_capacity_rps(EngineSpec.of("tiny-cpu"), rig.PROMPT, rig.OUTPUT)
-    assert 0 < measured <= 1.1 * model  # a repeated prompt (prefix cache) measured 1.5x the model
+    model = 2 * closed_loop_rps(EngineSpec.of("tiny-cpu"), 4, rig.PROMPT, rig.OUTPUT)
+    assert 0.8 * model <= measured <= 1.1 * model  # a repeated prompt (prefix cache) measured 1.5x the model
+    assert model < 2 * engine_capacity_rps(EngineSpec.of("tiny-cpu"), rig.PROMPT, rig.OUTPUT)
 
 
 def test_with_a_rig_the_simulated_replicas_run_at_its_speed_and_without_one_as_the_preset() -> None:
@@ -85,3 +86,11 @@ def test_with_a_rig_the_simulated_replicas_run_at_its_speed_and_without_one_as_t
     assert rigged["simulator"]["extra_args"] == [*sc.sim_args, "--speed", "0.477"]
     assert plain["simulator"]["extra_args"] == list(sc.sim_args)
     assert SimBackend().speed == LOAD_SCALE  # the default: the rig of SLUICE_BENCH_RIG, 1.0 without one
+
+
+def test_the_closed_loop_model_is_the_backlog_capacity_once_the_clients_fill_the_engine() -> None:
+    """16 clients keep fewer sequences in flight than a backlog of 400 on an engine of 64: each step's fixed cost is
+    shared by fewer, so the model serves less; 64 clients of a one-token answer fill it as the backlog does."""
+    spec = EngineSpec.of("tiny-cpu")
+    assert closed_loop_rps(spec, 16, 100, 256) < 0.8 * engine_capacity_rps(spec, 100, 256)
+    assert closed_loop_rps(spec, 64, 800, 1) == pytest.approx(engine_capacity_rps(spec, 800, 1), rel=0.05)

@@ -58,3 +58,12 @@ def test_a_run_of_one_path_shows_that_path_alone():
                                  for s in SHAPES}}
     rows = table(result).splitlines()
     assert len(rows) == 2 + len(SHAPES) and all("| direct aiohttp | 3.0 | 1.00 |" in r for r in rows[2:])
+
+
+def test_the_table_gives_each_path_as_a_share_of_the_model_and_the_engines_by_part():
+    cores = {"engines": 1.0, "api server": 0.2, "engine core": 0.1, "worker": 0.7, "clients": 0.1}
+    result = {"direct aiohttp": {s: {"completions_per_s": 6.0, "output_tokens_per_s": 1.0, "cores": cores}
+                                 for s in SHAPES}}
+    rows = table(result, {s: 12.0 for s in SHAPES}).splitlines()
+    assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|")
+    assert all("| 0.50 of 12.0 |" in r and "| 1.0 (0.2 / 0.1 / 0.7) |" in r for r in rows[2:])

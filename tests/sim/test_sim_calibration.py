@@ -91,6 +91,12 @@ def test_written_preset_file_round_trips_and_serves(tmp_path: Path) -> None:
     assert asdict(get_preset(str(path)).cost) == asdict(TINY_CPU.cost)
 
 
+def test_a_measurement_file_names_the_preset_it_was_fitted_to(tmp_path: Path, measurement: dict) -> None:
+    """`--preset calibration.json`: the preset stored in a `sluice sim calibrate --json` measurement."""
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({**measurement, "preset": preset_to_json(TINY_CPU)}))
+    assert get_preset(str(path)) == TINY_CPU
+
 def test_the_fit_gives_back_the_decode_rows_of_a_known_model(measurement: dict) -> None:
     """A measurement that is exactly tiny-cpu's own simulation (decode rows by batch rate, as `measure` takes them)
     is fitted back within a few percent on every decode row: the fit simulates the rows as they were measured."""
