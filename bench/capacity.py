@@ -39,11 +39,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from extproc.sim.engine import Engine, Request
+from extproc.sim.engine import Engine, Request, run_closed_loop
 from extproc.sim.presets import Preset, get_preset
 
 SATURATION = 400  # requests queued at once to measure a saturated engine
-CLOSED_LOOP_WARMUP, CLOSED_LOOP_COUNTED = 2, 12  # completions per client skipped, then counted (closed_loop_rps)
 SLO_SCALE = 5.0   # a user's TTFT SLO = this x the request's latency on an idle replica ...
 SLO_FLOOR_S = 0.5  # ... and never under this
 NICE = (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)  # x 10^k: the numbers users write SLOs in
@@ -158,36 +157,9 @@ def engine_capacity_rps(spec: EngineSpec, prompt: int, output: int) -> float:
 @functools.lru_cache(maxsize=256)
 def closed_loop_rps(spec: EngineSpec, streams: int, prompt: int, output: int) -> float:
     """Completions per second of one simulated replica kept busy by `streams` clients, each sending its next
-    request (`prompt` + `output` tokens) the moment its previous answer ends, as bench/rig.py's probe does:
-
-        rate = completions counted / (last counted completion - the end of the warm-up)
-
-    The first `CLOSED_LOOP_WARMUP` x `streams` completions are the warm-up (the clients start together); the next
-    `CLOSED_LOOP_COUNTED` x `streams` are counted."""
-    engine = spec.engine()
-    warmup, total = CLOSED_LOOP_WARMUP * streams, (CLOSED_LOOP_WARMUP + CLOSED_LOOP_COUNTED) * streams
-    for k in range(streams):
-        engine.add(Request(f"c{k}", prompt, output), 0.0)
-    sent, finished, warm_end = streams, 0, 0.0
-    for _ in range(10_000_000):
-        step = engine.schedule()
-        if step is None:
-            nxt = engine.next_ready_time()
-            if nxt is None or nxt <= engine.clock:
-                return float("nan")  # nothing left to run: the engine cannot serve the request
-            engine.clock = nxt
-            continue
-        for req in engine.complete(step):
-            if not req.finished:
-                continue
-            finished += 1
-            if finished == warmup:
-                warm_end = engine.clock
-            elif finished == total:
-                return (total - warmup) / (engine.clock - warm_end)
-            engine.add(Request(f"c{sent}", prompt, output), engine.clock)
-            sent += 1
-    return float("nan")
+    request (`prompt` + `output` tokens) the moment its previous answer ends, as bench/rig.py's probe does
+    (`extproc.sim.engine.run_closed_loop`)."""
+    return run_closed_loop(spec.engine(), streams, prompt, output)
 
 
 @functools.lru_cache(maxsize=256)

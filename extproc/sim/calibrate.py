@@ -15,8 +15,9 @@ Each row is one number measured on the engine and the same scenario run through 
 check it. Every ratio simulated / measured must lie in ``LOW..HIGH`` (exit status 1 otherwise).
 
 Fit (``fit_preset``): the eight cost constants (base, prefill_tok, decode_seq, attn_pair,
-attn_ctx_pair, kv_read_tok, frontend, frontend_tok) minimise ``sum(log(simulated / measured) ** 4)``
-over the fit rows of TTFT, decode rate and prefix-hit TTFT (scipy's least_squares on log constants,
+attn_ctx_pair, kv_read_tok, frontend, frontend_tok), and ``server_core`` when the measurement has a fit
+closed-loop row, minimise ``sum(log(simulated / measured) ** 4)`` over the fit rows of TTFT, decode rate,
+prefix-hit TTFT and closed-loop throughput (scipy's least_squares on log constants,
 started from the least-squares fit: the fourth power weighs the worst row, which the bar judges);
 ``abort`` is the measured abort latency less half an idle /metrics scrape; ``metrics_base`` and
 ``metrics_per_seq`` are the least-squares line through the /metrics rows (latency against running
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .engine import Engine, Request, block_hashes, run_offline
+from .engine import Engine, Request, block_hashes, run_closed_loop, run_offline
 from .presets import (CostModel, Preset, contended_quantile, get_preset, measurement_path, preset_from_json,
                       preset_to_json)
 
@@ -51,6 +52,8 @@ HOL_LONG, HOL_SHORT, HOL_OFFSETS = 4000, 100, 8
 PREFIX_TOTAL, PREFIX_HIT = 4000, 3968
 DECODE_PROMPT, DECODE_OUT = 128, 128
 PREEMPT_STREAMS, PREEMPT_PROMPT, PREEMPT_OUT = 8, 1024, 1024
+CLOSED_LOOP_STREAMS = 16  # the closed-loop rows' clients: the rig's (bench/rig.py) and the stack tax's per engine
+CLOSED_LOOP_WINDOW_S = 6.0  # seconds counted per closed-loop sample, after a 2 s warm-up
 KEEPALIVE_S = 1.0  # the measuring client's idle keep-alive, under the servers' (uvicorn: 5 s)
 FIT_COST = ("base", "prefill_tok", "decode_seq", "attn_pair", "attn_ctx_pair", "kv_read_tok", "frontend",
             "frontend_tok")
@@ -61,11 +64,11 @@ class RowSpec:
     """One calibration row: what is measured, in which unit, and whether the fit may use it."""
 
     name: str
-    kind: str  # ttft | decode | hol_mean | hol_max | prefix_hit | kv | abort | preempt | metrics
+    kind: str  # ttft | decode | closed_loop | hol_mean | hol_max | prefix_hit | kv | abort | preempt | metrics
     unit: str
     fit: bool
-    arg: int = 0  # prompt tokens (ttft), streams (decode, metrics)
-    arg2: int = 0  # long prompts prefilled during a metrics row
+    arg: int = 0  # prompt tokens (ttft, closed_loop), streams (decode, metrics)
+    arg2: int = 0  # long prompts prefilled during a metrics row; output tokens (closed_loop)
 
 
 def _specs() -> tuple[RowSpec, ...]:
@@ -74,6 +77,10 @@ def _specs() -> tuple[RowSpec, ...]:
                            (6144, False), (8000, True), (16000, False))]
     rows += [RowSpec(f"decode_tok_s_{b}", "decode", "tok/s", fit, b)
              for b, fit in ((1, True), (4, False), (8, True), (16, False), (32, True), (64, True))]
+    # Tiny requests fit server_core (the engine's own work per request is least there); the rig's request and a
+    # long answer check it and the mixed steps no other row loads.
+    rows += [RowSpec(f"closed_loop_rps_{n}_{out}", "closed_loop", "req/s", fit, n, out)
+             for n, out, fit in ((16, 1, True), (800, 32, False), (100, 256, False))]
     rows += [RowSpec("hol_short_ttft_mean", "hol_mean", "s", False),
              RowSpec("hol_short_ttft_max", "hol_max", "s", False),
              RowSpec("prefix_hit_ttft", "prefix_hit", "s", True, PREFIX_TOTAL, PREFIX_HIT),
@@ -229,6 +236,8 @@ def simulate(spec: RowSpec, p: Preset, extra: dict[str, Any]) -> float:
         return sim_ttft(p, spec.arg)
     if k == "decode":
         return sim_decode(p, spec.arg, extra.get("decode_method", "stream"))
+    if k == "closed_loop":
+        return run_closed_loop(_engine(p), CLOSED_LOOP_STREAMS, spec.arg, spec.arg2)
     if k in ("hol_mean", "hol_max"):
         longs = extra.get("hol_long_ttfts")
         hol = sim_hol_scaled(p, extra["hol_offsets"], statistics.median(longs) if longs else None)
@@ -283,15 +292,19 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
                 max_num_batched_tokens=int(eng["max_num_batched_tokens"]),
                 max_model_len=int(eng["max_model_len"]), references={})
     fit_rows = [SPEC_BY_NAME[n] for n in ms if n in SPEC_BY_NAME and SPEC_BY_NAME[n].fit
-                and SPEC_BY_NAME[n].kind in ("ttft", "decode", "prefix_hit")]
+                and SPEC_BY_NAME[n].kind in ("ttft", "decode", "prefix_hit", "closed_loop")]
     if p.cost.attn_ctx_pair is None:
         p = _with_cost(p, attn_ctx_pair=p.cost.attn_pair)
-    x0 = np.log([max(float(getattr(p.cost, f)), 1e-12) for f in FIT_COST])
+    # server_core only where a row loads the engine while requests arrive; otherwise it keeps the base's value
+    fit_cost = FIT_COST + (("server_core",) if any(s.kind == "closed_loop" for s in fit_rows) else ())
+    if "server_core" in fit_cost and p.cost.server_core <= 0:
+        p = _with_cost(p, server_core=1e-3)  # a start the log-space fit can move from
+    x0 = np.log([max(float(getattr(p.cost, f)), 1e-12) for f in fit_cost])
 
     extra = measurement.get("extra", {})  # how the rows were measured (decode_method), as `calibrate` reads them
 
     def residuals(x: Any) -> Any:
-        q = _with_cost(p, **dict(zip(FIT_COST, np.exp(x))))
+        q = _with_cost(p, **dict(zip(fit_cost, np.exp(x))))
         return np.array([math.log(simulate(s, q, extra) / ms[s.name]["value"]) for s in fit_rows])
 
     bounds = (np.log(1e-13), np.log(1.0))
@@ -300,7 +313,7 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
     # square lets one noisy row (a decode rate 9 % above its neighbour's trend) sit just outside while the rest
     # fit closely; the fourth power trades a little of the close fit for the worst row.
     sol = least_squares(lambda x: residuals(x) ** 2, sol.x, bounds=bounds, x_scale="jac", max_nfev=400)
-    p = _with_cost(p, **{f: float(f"{v:.4g}") for f, v in zip(FIT_COST, np.exp(sol.x))})
+    p = _with_cost(p, **{f: float(f"{v:.4g}") for f, v in zip(fit_cost, np.exp(sol.x))})
     metric_rows = [SPEC_BY_NAME[n] for n in ms if n in SPEC_BY_NAME and SPEC_BY_NAME[n].fit
                    and SPEC_BY_NAME[n].kind == "metrics"]
     if metric_rows:  # latency = a + b * running, least squares over the fit rows
@@ -318,8 +331,9 @@ def fit_preset(base: Preset, measurement: dict[str, Any], name: str, description
 # ---- measurement -----------------------------------------------------------------------------------
 
 async def measure(url: str, preempt_url: str | None, repeats: int, settings: dict[str, int],
-                  log: Callable[[str], None]) -> dict[str, Any]:
-    """Every row measured on the live engine(s); medians of ``repeats`` runs."""
+                  log: Callable[[str], None], closed_loop_window_s: float = CLOSED_LOOP_WINDOW_S) -> dict[str, Any]:
+    """Every row measured on the live engine(s); medians of ``repeats`` runs. The closed-loop rows count
+    completions over ``closed_loop_window_s`` each (0: not measured)."""
     import aiohttp
 
     from .measure import LiveEngine, machine_info, median, quantile
@@ -357,10 +371,15 @@ async def measure(url: str, preempt_url: str | None, repeats: int, settings: dic
         # The decode rows in rounds too, for the same reason: their ratios compare the rows with each other.
         decode_rows = [s for s in ROW_SPECS if s.kind == "decode"]
         decode: dict[str, list[float]] = {s.name: [] for s in decode_rows}
+        closed_rows = [s for s in ROW_SPECS if s.kind == "closed_loop" and closed_loop_window_s > 0]
+        closed: dict[str, list[float]] = {s.name: [] for s in closed_rows}
         for _ in range(repeats):
             for s in decode_rows:
                 decode[s.name] += await eng.decode(s.arg, 1, DECODE_PROMPT, DECODE_OUT)
-        for name, samples in decode.items():
+            for s in closed_rows:
+                closed[s.name].append(await eng.closed_loop(CLOSED_LOOP_STREAMS, s.arg, s.arg2,
+                                                            window_s=closed_loop_window_s))
+        for name, samples in {**decode, **closed}.items():
             put(name, samples)
         long_ttft = median(await eng.ttft(HOL_LONG, repeats))
         offsets = hol_offsets(long_ttft)
@@ -476,6 +495,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's token budget per step")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the engine's /v1/models")
     ap.add_argument("--vocab", type=int, default=8192, help="prompts use token ids below this")
+    ap.add_argument("--closed-loop-window", type=float, default=CLOSED_LOOP_WINDOW_S, metavar="SECONDS",
+                    help="seconds counted per closed-loop sample (0: no closed-loop rows)")
     ap.add_argument("--name", default="measured", help="name of the fitted preset")
     ap.add_argument("--command", default=None, help="recorded in the JSON: how the engine was started")
     ap.add_argument("--json", dest="json_file", default=None, help="write the measurement and rows to FILE")
@@ -503,7 +524,7 @@ def main(argv: list[str]) -> int:
                 "max_model_len": max_model_len, "vocab": args.vocab}
     try:
         measurement = asyncio.run(measure(args.against, args.preempt_url, args.repeats, settings,
-                                          lambda s: print(s, flush=True)))
+                                          lambda s: print(s, flush=True), args.closed_loop_window))
     except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback
         print(f"sim calibrate: measuring {args.against} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

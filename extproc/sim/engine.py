@@ -38,6 +38,7 @@ __all__ = [
     "EngineStats",
     "block_hashes",
     "run_offline",
+    "run_closed_loop",
     "WAITING",
     "RUNNING",
     "FINISHED",
@@ -265,6 +266,9 @@ class Engine:
         self.running: list[Request] = []
         self.clock = 0.0
         self.slow_factor = 1.0  # the `slow` fault: every step this many times longer
+        # The API server's work (cost.server_core each) for requests that arrived while the engine was busy, not yet
+        # paid: they share its core, so the next step runs that much longer.
+        self.core_debt = 0.0
         self.stats = EngineStats(time_scale=time_scale)
         self._by_id: dict[str, Request] = {}
 
@@ -305,6 +309,8 @@ class Engine:
         """Queue a request that arrived at ``arrival`` (default: now) at the API server."""
         req.arrival = self.clock if arrival is None else arrival
         req.ready_at = req.arrival + self.cost.frontend + self.cost.frontend_tok * req.prompt_len
+        if self.running or self.waiting:
+            self.core_debt += self.cost.server_core
         req.status = WAITING
         self.waiting.append(req)
         self._by_id[req.rid] = req
@@ -334,6 +340,7 @@ class Engine:
         dropped = list(self.running) + list(self.waiting)
         for req in dropped:
             self.abort(req)
+        self.core_debt = 0.0
         return dropped
 
     def wipe_cache(self) -> None:
@@ -495,6 +502,8 @@ class Engine:
             # this time from the waiting queue, rather than stalling for a step.
             return self.schedule() if preempted else None
         duration = self.cost.step_seconds(prefill, samples, pairs, kv_read, ctx_pairs) * self.slow_factor
+        duration += self.core_debt
+        self.core_debt = 0.0
         return Step(now, duration, items, prefill, samples)
 
     def complete(self, step: Step) -> list[Request]:
@@ -618,3 +627,37 @@ def run_offline(engine: Engine, arrivals: list[tuple[float, Request]],
         engine.complete(step)
         steps += 1
     return reqs
+
+
+def run_closed_loop(engine: Engine, streams: int, prompt: int, output: int, warmup: int = 2,
+                    counted: int = 12) -> float:
+    """Completions per second of ``engine`` kept busy by ``streams`` clients, each sending its next request
+    (``prompt`` + ``output`` tokens) the moment its previous answer ends, as a load probe's clients do:
+
+        rate = completions counted / (last counted completion - the end of the warm-up)
+
+    The first ``warmup`` x ``streams`` completions are the warm-up (the clients start together); the next
+    ``counted`` x ``streams`` are counted. NaN when the engine cannot serve the request."""
+    first, total = warmup * streams, (warmup + counted) * streams
+    for k in range(streams):
+        engine.add(Request(f"c{k}", prompt, output), engine.clock)
+    sent, finished, warm_end = streams, 0, engine.clock
+    for _ in range(10_000_000):
+        step = engine.schedule()
+        if step is None:
+            nxt = engine.next_ready_time()
+            if nxt is None or nxt <= engine.clock:
+                return float("nan")  # nothing can run and nothing will: the request does not fit
+            engine.clock = nxt
+            continue
+        for req in engine.complete(step):
+            if not req.finished:
+                continue
+            finished += 1
+            if finished == first:
+                warm_end = engine.clock
+            elif finished == total:
+                return (total - first) / (engine.clock - warm_end)
+            engine.add(Request(f"c{sent}", prompt, output), engine.clock)
+            sent += 1
+    return float("nan")

@@ -21,6 +21,10 @@ Probes (all times in seconds, as the client sees them):
 * ``preempt_onset``: ``streams`` requests that grow until the KV cache is full (a small-KV engine):
   the tokens all streams received before the first preempted stream stalls (alone: a gap in which every
   stream stopped is the client, not a preemption);
+* ``closed_loop(streams, prompt, output)``: ``streams`` clients, each sending its next request the moment
+  its previous answer ends; the completions per second in a window after a warm-up (the engine kept busy,
+  requests arriving while it computes: what a load probe or a gateway's traffic does, and what the rows
+  above, one prompt or one batch at a time, never do);
 * ``metrics_latency(streams, long_prompts)``: how long ``GET /metrics`` takes while ``streams``
   decodes run and ``long_prompts`` 4,000-token prompts are prefilled one after another; with
   ``partner``, a second engine on the same machine carries the same load meanwhile (two busy engines
@@ -361,6 +365,27 @@ class LiveEngine:
                          for r in res), default=math.inf)
             out.append(float(sum(1 for r in res for t in r.token_times if t <= stall)))
         return out
+
+    async def closed_loop(self, streams: int, prompt: int, output: int, warmup_s: float = 2.0,
+                          window_s: float = 6.0) -> float:
+        """Completions per second while ``streams`` clients send requests back to back (unique prompts), counted
+        over ``window_s`` after ``warmup_s``."""
+        await self.idle()
+        start = time.perf_counter()
+        window = (start + warmup_s, start + warmup_s + window_s)
+        done = 0
+
+        async def client(delay: float) -> None:
+            nonlocal done
+            await asyncio.sleep(delay)
+            while time.perf_counter() < window[1]:
+                await self.stream(self.prompt(prompt), output)
+                if window[0] <= time.perf_counter() <= window[1]:
+                    done += 1
+
+        # starts staggered over a few ms: equal requests sent at once would finish in waves
+        await asyncio.gather(*(client(0.005 * k) for k in range(streams)))
+        return done / window_s
 
     def _load(self, streams: int, long_prompts: int) -> list[asyncio.Future[Any]]:
         load: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.stream(self.prompt(128), 800))

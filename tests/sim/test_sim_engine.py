@@ -288,3 +288,27 @@ def test_an_engine_at_half_the_speed_takes_twice_as_long_for_the_same_request() 
     assert COST.at_speed(1.0) is COST
     with pytest.raises(ValueError, match="speed"):
         COST.at_speed(0)
+
+
+def test_a_request_arriving_while_the_engine_is_busy_takes_its_core_for_server_core() -> None:
+    """The API server on the engine's core (vLLM-CPU): a request that arrives during a step lengthens the next step
+    by server_core; one that arrives at an idle engine costs nothing but its own frontend delay."""
+    from dataclasses import replace
+
+    shared = replace(COST, server_core=0.01)
+    alone, idle = Request("a", 100, 1), Request("a", 100, 1)
+    run_offline(make(), [(0.0, alone)])
+    run_offline(Engine(shared, num_gpu_blocks=4096), [(0.0, idle)])
+    assert ttft(idle) == pytest.approx(ttft(alone), rel=1e-9)
+
+    def second_step(cost: CostModel) -> tuple[float, Request]:
+        long, short = Request("long", 100, 5), Request("short", 16, 1)
+        e = Engine(cost, num_gpu_blocks=4096)
+        run_offline(e, [(0.0, long), (COST.frontend + 0.001, short)])  # the short arrives during long's prefill
+        assert long.first_token_at is not None
+        return long.first_token_at, long
+
+    plain_first, plain = second_step(COST)
+    shared_first, slowed = second_step(shared)
+    assert shared_first == pytest.approx(plain_first, rel=1e-9)  # the step running when it arrived is not touched
+    assert slowed.last_token_at == pytest.approx(plain.last_token_at + 0.01, rel=1e-6)  # the next one pays it
