@@ -9,6 +9,9 @@ Two ways to run it:
   file that ``sluice sim --preset FILE`` runs).
 * ``--preset P [--measurement FILE]``: offline, in simulated time: simulate the rows of a stored
   measurement (default: the one preset P was fitted to, under bench/results/) with preset P.
+* ``--refit [--fit-without ROW,...] [--preset P] [--measurement FILE]``: offline, fit a preset (from P's
+  values) to a stored measurement's fit rows, less the rows named, and compare it with every row: what a
+  change of the cost model does to a measurement already taken, or what one row adds to the fit.
 
 Each row is one number measured on the engine and the same scenario run through the engine model
 (``Engine`` in simulated time, no HTTP). Rows marked *held-out* are never used by the fit; they
@@ -493,6 +496,9 @@ def main(argv: list[str]) -> int:
                                                    "measurement")
     ap.add_argument("--measurement", default=None, help="offline: the measurement JSON to compare with")
     ap.add_argument("--against", default=None, metavar="URL", help="measure this live engine and fit a preset")
+    ap.add_argument("--refit", action="store_true", help="offline: fit a preset to the stored measurement")
+    ap.add_argument("--fit-without", default=None, metavar="ROW,...",
+                    help="with --refit: leave these rows out of the fit (they are still compared)")
     ap.add_argument("--preempt-url", default=None, metavar="URL",
                     help="a second engine of the same kind with a small KV cache, for the preemption row")
     ap.add_argument("--repeats", type=int, default=5, help="runs per row (medians are kept)")
@@ -519,7 +525,21 @@ def main(argv: list[str]) -> int:
             print(f"sim calibrate: preset {preset.name} has no measurement; pass --measurement FILE",
                   file=sys.stderr)
             return 2
-        rows = calibrate(preset, load_measurement(path))
+        measurement = load_measurement(path)
+        if args.refit:
+            dropped = {n.strip() for n in (args.fit_without or "").split(",") if n.strip()}
+            unknown = dropped - set(SPEC_BY_NAME)
+            if unknown:
+                print(f"sim calibrate: --fit-without: no row {', '.join(sorted(unknown))}", file=sys.stderr)
+                return 2
+            fit_on = dict(measurement, measurements={n: m for n, m in measurement["measurements"].items()
+                                                     if n not in dropped})
+            preset = fit_preset(preset, fit_on, preset.name, f"refitted to {path}"
+                                + (f" without {', '.join(sorted(dropped))}" if dropped else ""))
+        rows = calibrate(preset, measurement)
+        if args.refit:
+            for r in rows:
+                r.fit = r.fit and r.name not in dropped  # a row left out of the fit is held out
         if args.json_file:
             Path(args.json_file).write_text(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return _report(preset, rows)

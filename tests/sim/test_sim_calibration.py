@@ -154,3 +154,18 @@ def test_hol_rows_compare_with_the_long_prompt_measured_beside_the_trials(measur
     assert mean == pytest.approx(sum(expected) / len(expected), rel=1e-9)
     del drifted["extra"]["hol_long_ttfts"]  # without it: the long the offsets were cut from (1.4x) is the reference
     assert simulate(SPEC_BY_NAME["hol_short_ttft_mean"], TINY_CPU, drifted["extra"]) > 1.2 * mean
+
+
+def test_refit_fits_a_stored_measurement_again_and_can_leave_rows_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--refit`: no engine, the stored measurement fitted again (tiny-cpu's gives tiny-cpu's rows back in range);
+    `--fit-without` leaves a row out of the fit and shows it held out; an unknown row is a usage error."""
+    from extproc.sim.calibrate import main
+
+    assert main(["--refit", "--preset", "tiny-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "refitted to" in out and "ttft_128" in out
+    main(["--refit", "--preset", "tiny-cpu", "--fit-without", "ttft_8000"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ttft_8000"))
+    assert line.endswith("held-out")
+    assert main(["--refit", "--fit-without", "no_such_row"]) == 2
+    assert "no_such_row" in capsys.readouterr().err
