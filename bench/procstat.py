@@ -7,15 +7,20 @@ import os
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int | str) -> list[str]:
-    """/proc/PID/stat's fields after the command name (field 3, the state, is index 0)."""
+def _named_stat(pid: int | str) -> tuple[str, list[str]]:
+    """/proc/PID/stat's command name and the fields after it (field 3, the state, is index 0)."""
     with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()
+        text = fh.read()
+    return text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds consumed by `pid` so far."""
-    fields = _stat(pid)
+    return _cpu_of(_named_stat(pid)[1])
+
+
+def _cpu_of(fields: list[str]) -> float:
+    """utime + stime (fields 14 and 15 of /proc/PID/stat) in seconds."""
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
@@ -33,13 +38,11 @@ def group_cpu_by_name(pgid: int) -> dict[str, float]:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                text = fh.read()
+            name, fields = _named_stat(entry.name)
         except OSError:
             continue
-        name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid:
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
+            out[name] = out.get(name, 0.0) + _cpu_of(fields)
     return out
 
 

@@ -82,8 +82,8 @@ def _specs() -> tuple[RowSpec, ...]:
     rows += [RowSpec(f"decode_tok_s_{b}", "decode", "tok/s", fit, b)
              for b, fit in ((1, True), (4, False), (8, True), (16, False), (32, True), (64, True))]
     # 16 streams decoding over a long context: every other decode row reads 128-256 tokens of context a decode, so
-    # their reading cost (kv_read_tok) moves with decode_seq and no row pins it; this one does (vLLM-CPU decoded 0.75x
-    # as fast over 1,024-token prompts as the model fitted without it said, 2026-12-07)
+    # their reading cost (kv_read_tok) moves with decode_seq and no row pins it; this one does (fitted without it, the
+    # model decoded 1.56x as fast as the engine here: calibration-xeon/12-38a2d45.json, --refit --fit-without)
     rows += [RowSpec(f"decode_tok_s_16_prompt_{DECODE_LONG_PROMPT}", "decode", "tok/s", True, 16, DECODE_LONG_PROMPT)]
     # Tiny requests fit server_core (the engine's own work per request is least there); the rig's request and a
     # long answer check it and the mixed steps no other row loads.

@@ -22,7 +22,8 @@ Probes (all times in seconds, as the client sees them):
   the tokens all streams received before the first preempted stream stalls (alone: a gap in which every
   stream stopped is the client, not a preemption);
 * ``closed_loop(streams, prompt, output)``: ``streams`` clients, each sending its next request the moment
-  its previous answer ends; the completions per second in a window after a warm-up (the engine kept busy,
+  its previous answer ends; completions per second in a window after a warm-up, from the tokens streamed in it
+  (the engine kept busy,
   requests arriving while it computes: what a load probe or a gateway's traffic does, and what the rows
   above, one prompt or one batch at a time, never do);
 * ``metrics_latency(streams, long_prompts)``: how long ``GET /metrics`` takes while ``streams``
@@ -374,8 +375,8 @@ class LiveEngine:
             rate = output tokens streamed in the window / window_s / output
 
         Tokens, not completions: a client completes a long answer every few seconds, so completions in a window
-        of seconds come in whole waves (48 in every 6 s sample of 16 clients' 256-token answers, a rate that
-        could not tell 7.5 from 8.5); in a steady state the two rates are the same."""
+        of seconds come in waves (16 clients' 256-token answers counted in 6 s: samples of 4.33-10.67 req/s in
+        steps of 2.67, calibration runs 9-11 on the Intel Xeon); in a steady state the two rates are the same."""
         await self.idle()
         start = time.perf_counter()
         window = (start + warmup_s, start + warmup_s + window_s)
