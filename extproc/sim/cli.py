@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache", action="store_true",
                        help="automatic prefix caching (the default)")
     ap.set_defaults(prefix_cache=True)
+    admit = ap.add_mutually_exclusive_group()
+    admit.add_argument("--no-scheduler-reserve-full-isl", dest="reserve_full_isl", action="store_false",
+                       help="admit a waiting prompt as soon as its first chunk's KV blocks fit")
+    admit.add_argument("--scheduler-reserve-full-isl", dest="reserve_full_isl", action="store_true",
+                       help="admit a waiting prompt only when its whole sequence's KV blocks fit (the default, as in "
+                            "vLLM 0.32)")
+    ap.set_defaults(reserve_full_isl=True)
     ap.add_argument("--metrics-style", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--admin-port", type=int, default=None,
                     help="admin listener port (default port+1000; -1 disables)")
@@ -106,6 +113,7 @@ def _serve_main(argv: list[str]) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, block_size=args.block_size,
                     mean_output_tokens=args.mean_output_tokens, prefix_cache=args.prefix_cache,
+                    reserve_full_isl=args.reserve_full_isl,
                     metrics_style=args.metrics_style, admin_port=args.admin_port, faults=faults)
     try:
         return asyncio.run(_serve(cfg))

@@ -14,7 +14,15 @@ The scheduler follows vLLM V1's ``Scheduler.schedule``:
    repeatedly, possibly itself;
 2. then, only if nothing was preempted in this step, waiting requests in FCFS order, while the
    budget lasts and fewer than ``max_num_seqs`` run; one starts only when the blocks for its
-   first chunk fit (otherwise it and all behind it wait: head-of-line, like vLLM).
+   whole sequence so far fit, prompt and any output it already made (vLLM's
+   ``scheduler_reserve_full_isl``, on by default in vLLM 0.32: it keeps chunked prefill
+   from admitting a prompt whose first chunk fits but whose rest does not, which would preempt
+   it or its neighbours a step later), otherwise it and all behind it wait (head-of-line, like
+   vLLM). With ``reserve_full_isl=False`` only the first chunk has to fit (vLLM's
+   ``--no-scheduler-reserve-full-isl``).
+
+So preemption comes from running requests outgrowing the free blocks while they decode, not
+from admission.
 
 KV cache is counted in blocks of ``block_size`` tokens. With the prefix cache on, full prompt
 blocks are keyed by a chained hash of their token ids, shared between requests, and kept after
@@ -255,8 +263,9 @@ class Engine:
 
     def __init__(self, cost: CostModel, *, num_gpu_blocks: int, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 prefix_cache: bool = True, time_scale: float = 1.0) -> None:
+                 prefix_cache: bool = True, time_scale: float = 1.0, reserve_full_isl: bool = True) -> None:
         self.cost = cost
+        self.reserve_full_isl = reserve_full_isl  # admit only when the whole sequence's blocks fit (see above)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -467,7 +476,8 @@ class Engine:
                 remaining = req.num_tokens - computed
                 n = remaining if remaining < budget else budget
                 need = self.blocks_for(computed + n) - hit_blocks
-                if need > pool.num_free() - hit_evictable:
+                gate = self.blocks_for(req.num_tokens) - hit_blocks if self.reserve_full_isl else need
+                if gate > pool.num_free() - hit_evictable:
                     break
                 waiting.popleft()
                 if self.prefix_cache and req.hashes is not None and req.num_output == 0 \

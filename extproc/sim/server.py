@@ -65,6 +65,7 @@ class SimConfig:
     block_size: int | None = None
     mean_output_tokens: float | None = None
     prefix_cache: bool = True  # vLLM 0.32's default; --no-enable-prefix-caching turns it off
+    reserve_full_isl: bool = True  # vLLM 0.32's default; --no-scheduler-reserve-full-isl turns it off
     metrics_style: str = "vllm"
     admin_port: int | None = None  # None: port+1000 (or a free port when port is 0); -1: none
     faults: list[tuple[str, Any]] = field(default_factory=list)  # e.g. [("slow", 5.0)]
@@ -193,7 +194,8 @@ class SimServer:
         p = self.preset
         return Engine(p.cost, num_gpu_blocks=p.num_gpu_blocks, block_size=p.block_size,
                       max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
-                      prefix_cache=self.config.prefix_cache, time_scale=self.config.time_scale)
+                      prefix_cache=self.config.prefix_cache, time_scale=self.config.time_scale,
+                      reserve_full_isl=self.config.reserve_full_isl)
 
     # ---- lifecycle -----------------------------------------------------------------------
 

@@ -122,6 +122,27 @@ def test_waiting_request_starts_only_when_its_blocks_fit() -> None:
     assert b.finished and b.first_token_at is not None and a.last_token_at <= b.first_token_at
 
 
+def test_a_prompt_is_admitted_only_when_all_its_blocks_fit_not_its_first_chunk() -> None:
+    # 80 blocks of 128 (79 usable); four 2,500-token prompts of 20 blocks each, sent together. Three fit whole
+    # (60 blocks); the fourth's first chunk (2,048 tokens, 16 blocks) fits in the 19 left but its whole prompt does
+    # not. vLLM 0.32 (scheduler_reserve_full_isl, its default) keeps it waiting until one finishes: no preemption.
+    def run(reserve_full_isl: bool) -> tuple[Engine, list[Request]]:
+        e = Engine(COST, num_gpu_blocks=80, block_size=128, reserve_full_isl=reserve_full_isl)
+        reqs = [Request(f"r{i}", 2500, 8) for i in range(4)]
+        run_offline(e, [(0.0, r) for r in reqs])
+        return e, reqs
+
+    e, reqs = run(True)
+    assert e.stats.preemptions == 0
+    assert all(r.finished and r.num_output == 8 for r in reqs)
+    assert reqs[3].first_scheduled is not None
+    assert reqs[3].first_scheduled >= min(r.last_token_at for r in reqs[:3])
+    # Admitting on the first chunk alone takes the fourth in, and the blocks run out under it a step later.
+    e_chunk, reqs_chunk = run(False)
+    assert e_chunk.stats.preemptions > 0
+    assert all(r.finished for r in reqs_chunk)
+
+
 def test_abort_frees_blocks_before_the_next_step() -> None:
     e = make(blocks=100)
     r = Request("a", 500, 1000)
