@@ -16,11 +16,17 @@ What a real engine can and cannot tell (`VllmBackend.state`, from each engine's 
   prefix_cache_queries / _hits  vllm:prefix_cache_queries_total / _hits_total (tokens)
   finished                      vllm:request_success_total{finished_reason}; aborted requests are not counted by
                                 vLLM (an abort is inferred by nothing here: `aborted` stays None)
+  http_requests                 http_requests_total{handler="/v1/chat/completions" or "/v1/completions"}: every
+                                request the API server answered, those whose client left included (a client that
+                                disconnects after 1 ms or 0.3 s, streaming or not, adds one, status 2xx; vLLM
+                                0.32, checked by hand on this machine), so requests that reached an engine =
+                                http_requests + running + waiting (`RunData.replica_requests_total`)
   ghost_tokens, late_tokens     NOT measurable: the engine does not know its client left. P4 counts ghost tokens on
                                 a real engine as generated tokens - tokens the clients read + tokens read after a
                                 deadline (`real_ghost_tokens`, the clients' view)
-  which replica served a request: NOT in the response (no x-sim-replica); P8 counts requests that reached each
-                                engine as prefix_cache_queries_total / prompt size + waiting (`arrivals_estimate`)
+  which replica served a request: NOT in the response (no x-sim-replica); P8 counts the requests that reached each
+                                engine after a time from its samples (`RunData.received_after`: http_requests +
+                                running + waiting)
 Counters are cumulative over an engine's life; the backend subtracts their values at the start of each run.
 
 Faults on real engines, by process control (bench/vllm_cpu.py):
@@ -51,6 +57,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
     """A vLLM /metrics page -> the numbers the harness samples (summed over label sets)."""
     vals: dict[str, float] = {}
     finished: dict[str, float] = {}
+    http_requests = 0.0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -64,6 +71,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
             m = re.search(r'finished_reason="([^"]*)"', rest)
             if m:
                 finished[m.group(1)] = finished.get(m.group(1), 0.0) + value
+        elif name == "http_requests_total" and re.search(r'handler="/v1/(?:chat/)?completions"', rest):
+            http_requests += value
     return {"running": vals.get("vllm:num_requests_running", 0.0),
             "waiting": vals.get("vllm:num_requests_waiting", 0.0),
             "kv_usage": vals.get("vllm:kv_cache_usage_perc", 0.0),
@@ -72,6 +81,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
                          "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
                          "prefix_cache_queries": vals.get("vllm:prefix_cache_queries_total", 0.0),
                          "prefix_cache_hits": vals.get("vllm:prefix_cache_hits_total", 0.0),
+                         "http_requests": http_requests,
                          "finished": finished}}
 
 

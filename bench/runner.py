@@ -49,8 +49,8 @@ from bench.capacity import BENCH_PRESET, LOAD_SCALE, EngineSpec, capacity_rps
 from bench.openloop import Record, raise_nofile, run_open_loop
 from bench.procstat import cpu_seconds, rss_bytes
 from bench.scenarios import SCENARIOS, get_scenarios
-from bench.scenarios.base import (MODEL, RunData, Scenario, Workload, scale_arrivals, set_workload_rep,
-                                  worst_class_ratio)
+from bench.scenarios.base import (MODEL, RunData, Scenario, Workload, requests_received, scale_arrivals,
+                                  set_workload_rep, worst_class_ratio)
 from extproc.baselines import BaselineOptions
 from extproc.config import policy_from_dict
 from extproc.supervisor import Child, Stack, StartupError, free_ports, with_free_ports
@@ -318,7 +318,8 @@ async def _poll(stack: Stack, run: RunData, sc: Scenario, session: aiohttp.Clien
             "crashed": (st.get("faults") or {}).get("crashed"), "slow": (st.get("faults") or {}).get("slow"),
             "finished": sum((c.get("finished") or {}).values()),
             "aborted": None if backend.real else (c.get("finished") or {}).get("abort", 0),
-            "prefix_queries": c.get("prefix_cache_queries"), "prefix_hits": c.get("prefix_cache_hits")})
+            "prefix_queries": c.get("prefix_cache_queries"), "prefix_hits": c.get("prefix_cache_hits"),
+            "received": requests_received(st)})
         run.sim_final[addr] = st
 
     while not stop.is_set():

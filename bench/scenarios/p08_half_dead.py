@@ -102,15 +102,25 @@ class S(Scenario):
             detect = run.first_time("envoy", "envoy_cluster_outlier_detection_ejections_active",
                                     lambda l, v: v > 0, after=t_fault)
         t_from = detect if detect is not None else t_fault
-        after = [r for r in run.records if r.start >= t_from and r.replica]
-        share = sum(1 for r in after if r.replica == sick) / len(after) if after else None
         after_fault = [r for r in run.records if r.start >= t_fault]
         return {
             "detect_s": rnd((detect - t_fault) * ts, 2) if detect is not None else None,
-            "sick_share_after_detect": rnd(share),
+            "sick_share_after_detect": rnd(self.sick_share(run, sick, t_from)),
             "ttft_p95_s": rnd(pct(run.ttfts(after_fault), 95)),
             "failed_after": float(sum(1 for r in after_fault if not r.ok)),
         }
+
+    @staticmethod
+    def sick_share(run: RunData, sick: str, t_from: float) -> float | None:
+        """Share of the requests sent from `t_from` on that went to `sick`: by the replica each response names
+        (simulators), or, where responses name none (real engines), by what each engine received meanwhile
+        (`RunData.received_after`)."""
+        after = [r for r in run.records if r.start >= t_from and r.replica]
+        if after:
+            return sum(1 for r in after if r.replica == sick) / len(after)
+        got = {a: run.received_after(a, t_from) for a in run.replicas}
+        total = sum(v for v in got.values() if v is not None)
+        return (got[sick] or 0.0) / total if total > 0 else None
 
     def reproduced(self, m: dict[str, float | None]) -> tuple[bool, str]:
         v = m.get("sick_share_after_detect")

@@ -57,6 +57,48 @@ def test_rundata_time_scale_and_censoring():
     assert run.counter_total("preemptions") == 5
 
 
+def test_a_real_engines_requests_are_its_api_servers_answers_not_vllms_finished_count():
+    """vLLM counts no client abort in vllm:request_success_total; its API server's http_requests_total counts
+    every request it answered, the abandoned ones included (bench/backends.py)."""
+    from bench.backends import minus, parse_metrics
+
+    def page(ok: float, chat: float, completions: float) -> str:
+        return "\n".join([
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} {ok}',
+            'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 0.0',
+            f'http_requests_total{{handler="/v1/chat/completions",method="POST",status="2xx"}} {chat}',
+            'http_requests_total{handler="/v1/chat/completions",method="POST",status="4xx"} 1.0',
+            f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {completions}',
+            'http_requests_total{handler="/metrics",method="GET",status="2xx"} 99.0',
+            'http_requests_total{handler="/reset_prefix_cache",method="POST",status="2xx"} 1.0',
+            "vllm:num_requests_running 2.0", "vllm:num_requests_waiting 1.0"])
+
+    start, end = parse_metrics(page(10, 20, 1)), parse_metrics(page(14, 35, 1))
+    assert start["counters"]["http_requests"] == 22                  # chat 2xx + 4xx + completions, not /metrics
+    st = minus(end, start)
+    assert st["counters"]["http_requests"] == 15 and st["counters"]["finished"]["length"] == 4
+    run = RunData(scenario="P5", system="envoy-rr", time_scale=1.0, replicas=["a"], duration=10.0)
+    run.sim_final = {"a": st}
+    assert run.replica_requests_total() == 15 + 2 + 1                   # 11 abandoned attempts counted, not 4 + 3
+
+
+def test_p8_without_replica_names_counts_what_each_engine_received_after_detection():
+    """Real engines name no replica in their responses: P8's sick share comes from the engines' own counts."""
+    [sc] = get_scenarios(["P8"])
+    run = RunData(scenario="P8", system="envoy-rr", time_scale=1.0, replicas=["sick", "ok"], duration=10.0)
+    run.records = [Record(user=i, attempt=0, sdk_attempt=0, kind="user", start=float(i), end=float(i) + 0.5,
+                          status=200, first_token=float(i) + 0.1) for i in range(10)]
+    run.samples = {"sick": [{"t": 1.0, "round": 0, "received": 5.0}, {"t": 4.0, "round": 1, "received": 9.0},
+                            {"t": 9.0, "round": 2, "received": 13.0}],
+                   "ok": [{"t": 1.0, "round": 0, "received": 5.0}, {"t": 4.0, "round": 1, "received": 10.0},
+                          {"t": 9.0, "round": 2, "received": 22.0}]}
+    assert run.received_after("sick", 4.5) == 4.0 and run.received_after("ok", 0.0) == 22.0
+    assert sc.sick_share(run, "sick", 4.5) == pytest.approx(4 / 16)
+    run.records[5].replica = "ok"                                             # a named replica wins (simulators)
+    assert sc.sick_share(run, "sick", 4.5) == 0.0
+
+
 def test_scan_events_counts_content_and_first_token():
     r = rec(start=0.0)
     role_and_first = (b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
