@@ -1,8 +1,8 @@
 """Chunked-prefill decode interference on P10's workload, offline: why P10's goodput bar is not met, and what a
 gateway would need to meet it.
 
-P10's published quick runs give every system the same numbers: 1 of the 13 calls after the prompt change meets
-the SLO (first token within 8 s and the response completed). This module replays P10's arrivals on two simulated
+P10's published quick runs give every system the same SLO goodput after the prompt change (first token within 8 s
+and the response completed). This module replays P10's arrivals on two simulated
 engines (the preset's cost model, `extproc.sim.engine`, driven in simulated time: no gateway, no I/O, the same
 result on every run) through a minimal gateway, one policy at a time:
 
