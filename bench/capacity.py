@@ -82,6 +82,7 @@ class EngineSpec:
     num_gpu_blocks: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    reserve_full_isl: bool = True  # vLLM 0.32's admission of a whole prompt (`--no-scheduler-reserve-full-isl`)
 
     @staticmethod
     def of(preset: str, sim_args: list[str] | tuple[str, ...] = ()) -> "EngineSpec":
@@ -90,8 +91,10 @@ class EngineSpec:
         ap.add_argument("--num-gpu-blocks", type=int)
         ap.add_argument("--max-num-seqs", type=int)
         ap.add_argument("--max-num-batched-tokens", type=int)
+        ap.add_argument("--no-scheduler-reserve-full-isl", dest="reserve_full_isl", action="store_false")
         known, _rest = ap.parse_known_args(list(sim_args))
-        return EngineSpec(preset, known.num_gpu_blocks, known.max_num_seqs, known.max_num_batched_tokens)
+        return EngineSpec(preset, known.num_gpu_blocks, known.max_num_seqs, known.max_num_batched_tokens,
+                          known.reserve_full_isl)
 
     @property
     def base(self) -> Preset:
@@ -106,7 +109,8 @@ class EngineSpec:
         p = self.base
         return Engine(p.cost, num_gpu_blocks=self.num_gpu_blocks or p.num_gpu_blocks, block_size=p.block_size,
                       max_num_seqs=self.seqs,
-                      max_num_batched_tokens=self.max_num_batched_tokens or p.max_num_batched_tokens)
+                      max_num_batched_tokens=self.max_num_batched_tokens or p.max_num_batched_tokens,
+                      reserve_full_isl=self.reserve_full_isl)
 
 
 def drive(engine: Engine, requests: list[Request] | tuple[Request, ...] = ()) -> None:

@@ -22,32 +22,17 @@ import sys
 
 from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, mix_capacity_rps
 from bench.scenarios import p09_kv_pressure as p9
-from extproc.sim.engine import Engine, Request, run_offline
+from extproc.sim.engine import Request, run_offline
 
 
-def arrivals(short: tuple[int, int], long_: tuple[int, int], rate: float, seed: int,
-             calm_s: float, duration_s: float) -> list[tuple[float, Request]]:
-    """P9's stream: Poisson at `rate`, one long in ten before `calm_s`, one in two after."""
-    rng = random.Random(seed)
-    out: list[tuple[float, Request]] = []
-    t, n = 0.1, 0
-    while t < duration_s:
-        prompt, output = long_ if rng.random() < (0.1 if t < calm_s else 0.5) else short
-        out.append((t, Request(f"r{n}", prompt, output)))
-        n += 1
-        t += rng.expovariate(rate)
-    return out
-
-
-def preemptions(spec: EngineSpec, blocks: int, stream: list[tuple[float, Request]], reserve_full_isl: bool,
+def preemptions(spec: EngineSpec, stream: list[tuple[float, bool]], long_: tuple[int, int],
                 deadline_s: float) -> tuple[int, int]:
-    """(preemptions, requests unfinished at `deadline_s`) over two engines fed round robin."""
-    p = spec.base
+    """(preemptions, requests unfinished at `deadline_s`) over two engines of `spec` fed `stream` round robin."""
     total = late = 0
     for k in range(2):
-        engine = Engine(p.cost, num_gpu_blocks=blocks, block_size=p.block_size, max_num_seqs=p.max_num_seqs,
-                        max_num_batched_tokens=p.max_num_batched_tokens, reserve_full_isl=reserve_full_isl)
-        mine = [(t, Request(r.rid, r.prompt_len, r.max_output)) for i, (t, r) in enumerate(stream) if i % 2 == k]
+        engine = spec.engine()
+        mine = [(t, Request(f"r{i}", *(long_ if is_long else p9.SHORT)))
+                for i, (t, is_long) in enumerate(stream) if i % 2 == k]
         done = run_offline(engine, mine, until=deadline_s + 120)
         total += engine.stats.preemptions
         late += sum(1 for r in done if not r.finished or r.last_token_at > deadline_s)
@@ -62,21 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.7, help="share of the pool's compute capacity offered")
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args(argv)
-    long_ = tuple(int(x) for x in args.long.split(","))
-    assert len(long_) == 2
-    spec = EngineSpec.of(args.preset)
-    blocks = blocks_for_tokens(spec, round(args.fits * sum(long_)))
-    rate = args.load * 2 * mix_capacity_rps(spec, [(0.5, *p9.SHORT), (0.5, *long_)])
+    prompt, output = (int(x) for x in args.long.split(","))
+    long_ = (prompt, output)
+    full_kv = EngineSpec.of(args.preset)
+    blocks = blocks_for_tokens(full_kv, round(args.fits * sum(long_)))
+    rate = args.load * 2 * mix_capacity_rps(full_kv, [(0.5, *p9.SHORT), (0.5, *long_)])
+    whole = EngineSpec.of(args.preset, ["--num-gpu-blocks", str(blocks)])
+    chunk = EngineSpec.of(args.preset, ["--num-gpu-blocks", str(blocks), "--no-scheduler-reserve-full-isl"])
     calm_s, duration_s = p9.S().phases(True)
     deadline_s = duration_s + p9.DRAIN_S
     print(f"long {long_[0]}+{long_[1]}, short {p9.SHORT[0]}+{p9.SHORT[1]}, {blocks} blocks per engine, "
           f"{rate:.2f} req/s, preset {args.preset}; preemptions (unfinished at {deadline_s:g} s)")
     print("seed  first chunk fits  whole prompt fits (vLLM 0.32)")
     for seed in range(9, 9 + args.seeds):
-        stream = arrivals(p9.SHORT, long_, rate, seed, calm_s, duration_s)  # type: ignore[arg-type]
-        chunk = preemptions(spec, blocks, stream, False, deadline_s)
-        whole = preemptions(spec, blocks, stream, True, deadline_s)
-        print(f"{seed:>4}  {chunk[0]:>10} ({chunk[1]})  {whole[0]:>11} ({whole[1]})")
+        stream = p9.mix_stream(random.Random(seed), rate, calm_s, duration_s)
+        on_chunk = preemptions(chunk, stream, long_, deadline_s)
+        on_whole = preemptions(whole, stream, long_, deadline_s)
+        print(f"{seed:>4}  {on_chunk[0]:>10} ({on_chunk[1]})  {on_whole[0]:>11} ({on_whole[1]})")
     return 0
 
 

@@ -11,7 +11,8 @@ def _named_stat(pid: int | str) -> tuple[str, list[str]]:
     """/proc/PID/stat's command name and the fields after it (field 3, the state, is index 0)."""
     with open(f"/proc/{pid}/stat") as fh:
         text = fh.read()
-    return text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+    close = text.rindex(")")  # the name may hold parentheses and spaces; the last ")" ends it
+    return text[text.index("(") + 1:close], text[close + 1:].split()
 
 
 def cpu_seconds(pid: int) -> float:

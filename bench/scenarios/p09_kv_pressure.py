@@ -32,6 +32,7 @@ Sluice is told: the SLO (`admission.ttft_target_s`); the KV margin at its defaul
 
 from __future__ import annotations
 
+import random
 
 from bench.openloop import Arrival
 from bench.capacity import BENCH_PRESET, EngineSpec, blocks_for_tokens, mix_capacity_rps, slo_ttft_s, ttft_alone_s
@@ -45,6 +46,17 @@ RATE = 0.7 * 2 * mix_capacity_rps(_BASE, [(0.5, *SHORT), (0.5, *LONG)])  # "GPU 
 SLO_TTFT_S = slo_ttft_s(ttft_alone_s(SPEC, LONG[0]))
 # Time for the last long requests to finish: 640 tokens decoded under KV pressure (preempted ones recompute).
 DRAIN_S = 14.0
+
+
+def mix_stream(rng: random.Random, rate: float, t_mix: float, duration: float) -> list[tuple[float, bool]]:
+    """P9's arrivals as (time, long?): Poisson at `rate` from 0.1 s to `duration`, one long request in ten before
+    `t_mix` and one in two after (bench/p9_admission.py replays the same stream offline)."""
+    out = []
+    t = 0.1
+    while t < duration:
+        out.append((t, rng.random() < (0.1 if t < t_mix else 0.5)))
+        t += rng.expovariate(rate)
+    return out
 
 
 class S(Scenario):
@@ -71,15 +83,9 @@ class S(Scenario):
 
     def workload(self, quick: bool) -> Workload:
         t_mix, duration = self.phases(quick)
-        rng = workload_rng(9)
-        arrivals = []
-        t, n = 0.1, 0
-        while t < duration:
-            long_ = rng.random() < (0.1 if t < t_mix else 0.5)
-            body = chat(*LONG, salt=n) if long_ else chat(*SHORT, salt=n)
-            arrivals.append(Arrival(at=t, body=body, kind="long" if long_ else "short"))
-            n += 1
-            t += rng.expovariate(RATE)
+        arrivals = [Arrival(at=t, body=chat(*LONG, salt=n) if long_ else chat(*SHORT, salt=n),
+                            kind="long" if long_ else "short")
+                    for n, (t, long_) in enumerate(mix_stream(workload_rng(9), RATE, t_mix, duration))]
         return Workload(arrivals=arrivals, duration=duration, drain=DRAIN_S)
 
     def metrics(self, run: RunData) -> dict[str, float | None]:

@@ -23,9 +23,8 @@ Probes (all times in seconds, as the client sees them):
   stream stopped is the client, not a preemption);
 * ``closed_loop(streams, prompt, output)``: ``streams`` clients, each sending its next request the moment
   its previous answer ends; completions per second in a window after a warm-up, from the tokens streamed in it
-  (the engine kept busy,
-  requests arriving while it computes: what a load probe or a gateway's traffic does, and what the rows
-  above, one prompt or one batch at a time, never do);
+  (the engine kept busy, requests arriving while it computes: what a load probe or a gateway's traffic does,
+  and what the rows above, one prompt or one batch at a time, never do);
 * ``metrics_latency(streams, long_prompts)``: how long ``GET /metrics`` takes while ``streams``
   decodes run and ``long_prompts`` 4,000-token prompts are prefilled one after another; with
   ``partner``, a second engine on the same machine carries the same load meanwhile (two busy engines
