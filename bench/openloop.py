@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 
 RETRYABLE_STATUS = frozenset({408, 409, 429})
+STREAM_ERROR = "stream_error"  # Record.error of a stream that carried an error event (`scan_events`)
 
 
 # The openai SDK's constants (openai/_constants.py); tests/bench/test_sdk_parity.py checks them against the SDK.
@@ -111,7 +112,7 @@ class Record:
     done: bool = False            # saw [DONE]: the stream completed
     cancelled: bool = False       # the client disconnected on purpose (cancel_after_*)
     timed_out: bool = False       # the client's own timeout fired
-    error: str = ""               # exception class or "unfinished" (run deadline)
+    error: str = ""               # exception class, "unfinished" (run deadline) or STREAM_ERROR
     replica: str = ""             # x-sim-replica
     should_retry: str = ""        # x-should-retry from the response
     retry_after_s: float | None = None
@@ -221,8 +222,23 @@ def sdk_backoff(rec: Record, sdk_attempt: int, spec: ClientSpec, rng: random.Ran
     return sdk_retry_delay(sdk_attempt, rec.retry_after_s, spec, rng.random())
 
 
+def _is_error_event(ev: bytes) -> bool:
+    """A `data:` event whose JSON object has a truthy top-level `error`: the openai SDK raises `APIError` on it
+    (openai/_streaming.py, `Stream.__stream__`), whatever follows."""
+    try:
+        data = orjson.loads(ev[5:])
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and bool(data.get("error"))
+
+
 def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
     """Consume whole SSE events from `buf`, update `rec`; returns the unconsumed tail.
+
+    An error event (`data: {"error": ...}`) fails the attempt as the openai SDK does, which raises `APIError` there:
+    `error` becomes STREAM_ERROR and a `[DONE]` after it does not complete the stream. smg answers an upstream that
+    died mid-stream with an error event, then `[DONE]`, on a 200 whose body ends cleanly: counted as done, its
+    truncated answers (1-4 of 32 tokens in P6's crash) read as successes.
 
     After the client's own timeout (a lingering connection) content only counts as `late_tokens`: the answer
     completing then is not a success and its tokens did not reach anyone who was waiting."""
@@ -238,8 +254,13 @@ def scan_events(buf: bytes, rec: Record, now: float) -> bytes:
                     and b'"role":"assistant","content":""' not in ev:
                 rec.late_tokens += 1
             continue
+        if rec.error == STREAM_ERROR:
+            continue  # the SDK raised at the error event and read no further
         if ev.startswith(b"data: [DONE]"):
             rec.done = True
+            continue
+        if b'"error"' in ev and _is_error_event(ev):
+            rec.error = STREAM_ERROR  # a router that lost its upstream mid-stream (smg), or an engine's own error
             continue
         if b'"choices":[]' in ev:  # usage event
             if b'"usage"' in ev:

@@ -12,8 +12,9 @@ from openai import _base_client, _constants
 from openai._models import FinalRequestOptions
 
 from bench.openloop import (SDK_INITIAL_RETRY_DELAY_S, SDK_MAX_RETRIES, SDK_MAX_RETRY_AFTER_S,
-                            SDK_MAX_RETRY_DELAY_S, SDK_READ_TIMEOUT_S, ClientSpec, Record, _parse_retry_after,
-                            sdk_retry_delay, sdk_should_retry, should_retry_response)
+                            SDK_MAX_RETRY_DELAY_S, SDK_READ_TIMEOUT_S, STREAM_ERROR, ClientSpec, Record,
+                            _parse_retry_after, business_should_retry, scan_events, sdk_retry_delay,
+                            sdk_should_retry, should_retry_response)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,45 @@ def test_streams_connection_errors_and_cancels():
     assert sdk_should_retry(Record(user=0, attempt=0, sdk_attempt=0, kind="k", status=0, timed_out=True))
     assert sdk_should_retry(Record(user=0, attempt=0, sdk_attempt=0, kind="k", status=0, error="ClientOSError"))
     assert not sdk_should_retry(Record(user=0, attempt=0, sdk_attempt=0, kind="k", status=0, cancelled=True))
+
+
+def _chunk(content: str) -> bytes:
+    return (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+            b'"delta":{"content":"' + content.encode() + b'"},"finish_reason":null}]}\n\n')
+
+
+# What smg sent when its upstream died mid-stream (captured by hand: `smg launch` in front of `sluice sim`, the
+# replica killed with SIGKILL 1.5 s into a 200-token stream): an error event, then [DONE], on a clean 200.
+SMG_UPSTREAM_LOST = (b'data: {"error":{"message":"Stream error: error decoding response body: unexpected EOF during '
+                     b'chunk size line","type":"stream_error"}}\n\ndata: [DONE]\n\n')
+
+
+@pytest.mark.parametrize("events, sdk_chunks, sdk_raises", [
+    (_chunk("the") + _chunk(" error") + b"data: [DONE]\n\n", 2, False),   # the word, not an error event
+    (_chunk("the") + _chunk(" of") + SMG_UPSTREAM_LOST, 2, True),
+    (SMG_UPSTREAM_LOST, 0, True),
+])
+def test_a_stream_fails_where_the_sdk_raises(client: openai.OpenAI, events: bytes, sdk_chunks: int,
+                                             sdk_raises: bool):
+    """An error event inside a 200 stream: the SDK yields the chunks before it and raises APIError there, whatever
+    follows; the harness's record counts those chunks, is not done, and the business layer retries it."""
+    response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events,
+                              request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+    stream = openai.Stream(cast_to=object, response=response, client=client)
+    got = 0
+    raised = False
+    try:
+        for _ in stream:
+            got += 1
+    except openai.APIError:
+        raised = True
+    assert (got, raised) == (sdk_chunks, sdk_raises)
+
+    rec = Record(user=0, attempt=0, sdk_attempt=0, kind="k", status=200)
+    assert scan_events(events, rec, 0.5) == b""
+    assert rec.tokens == sdk_chunks and rec.ok is (not sdk_raises)
+    assert (rec.error == STREAM_ERROR) is sdk_raises and business_should_retry(rec) is sdk_raises
+    assert (rec.first_token is None) is (sdk_chunks == 0)
 
 
 @pytest.mark.parametrize("u", [0.0, 0.3, 0.999])
