@@ -47,6 +47,10 @@ COMPACT_MIN = 64  # removed entries tolerated in the heaps before a rebuild is c
 _seq = count()     # tie-breaker for heap entries with equal times
 
 
+def _event_order(e: tuple[float, int, "Growth"]) -> tuple[float, int]:
+    return e[0], e[1]  # at one time, starts before ends: the peak counts both
+
+
 class Growth:
     """One request's entry: its predicted first token and decode end, 1 / its decode time per token, its expected
     output, the KV tokens it holds at its end (footprint: prompt + expected output, which its end frees), and
@@ -161,6 +165,49 @@ class KvGrowth:
             if g.live:
                 total += ((end if end < until else until) - now) * g.per_s
         return total
+
+    def peak_within(self, now: float, horizon_s: float) -> float:
+        """The most KV the counted requests add to what they hold now at any moment of the next `horizon_s` seconds,
+        each one's end freeing what it holds then (`within` with the ends subtracted; `within` bounds it):
+
+            peak     = max over t in [now, now + horizon] of  grown(t) - freed(t)
+            grown(t) = sum over i of (min(end_i, t) - max(first_i, now))+ / d_i     output decoded from now to t
+            freed(t) = sum over i with end_i < t of (prompt_i + out_i)             what i holds when it ends
+
+        grown rises between events and freed falls only at an end, so the peak is just before an end or at the
+        horizon: one sweep over the starts and ends in time order, O(n log n) in the requests in flight (read only
+        when `within` does not fit). A long request refused on `within` waits for KV that the short ones around it
+        free long before its own output needs it (P9 on real engines: its long requests got 0.67-0.83 of the best
+        baseline's goodput)."""
+        self._advance(now)
+        until = now + horizon_s
+        events: list[tuple[float, int, Growth]] = []  # (time, 0 = starts decoding | 1 = ends, entry)
+        rate = 0.0
+        for first, _, g in self._pending:
+            if g.live and first < until:
+                events.append((first, 0, g))
+                if g.end < until:
+                    events.append((g.end, 1, g))
+        for end, _, g in self._decoding:
+            if g.live:
+                rate += g.per_s
+                if end < until:
+                    events.append((end, 1, g))
+        events.sort(key=_event_order)
+        grown = freed = peak = 0.0
+        at = now
+        for t, kind, g in events:
+            grown += rate * (t - at)
+            at = t
+            if kind:
+                if grown - freed > peak:
+                    peak = grown - freed
+                freed += g.prompt + g.out
+                rate -= g.per_s
+            else:
+                rate += g.per_s
+        grown += rate * (until - at)
+        return max(peak, grown - freed)
 
     def unshown(self, at: float, held: float) -> float:
         """`unshown(at)`: what the ledger expects the requests placed before a scrape at `at` to hold and the scrape,

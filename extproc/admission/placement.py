@@ -5,7 +5,8 @@ A replica fits a request when, with the request added, it stays within every lim
           now (its scraped KV usage, plus the prompts placed since that scrape, plus the engine's waiting requests,
           not in its KV yet, plus what its running requests decoded since the scrape) plus the output its
           requests in flight, this sidecar's and the others' sharing through Redis, are still expected to decode
-          while the new request would run (`kv_committed`, kv_growth.py: no preemption when gateways place long
+          while the new request would run, this sidecar's freeing theirs at their predicted ends: the highest
+          point of that curve (`kv_committed` with `frees`, kv_growth.py: no preemption when gateways place long
           generations, PG / P9). Not a lifetime reservation: a stream whose client reads slowly holds nothing in
           an engine that finished it (P13)
   queue   the engine's own waiting queue, with the requests it has not counted yet (`Replica.engine_queue`),
@@ -305,7 +306,7 @@ class Placer:
         g = self.growth.get(r)
         return g.remaining(now) if g is not None else 0.0
 
-    def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None) -> float:
+    def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None, frees: bool = False) -> float:
         """KV tokens the replica's engine will hold, at most, within the next `horizon_s` seconds (None: before its
         requests in flight end): what it holds now plus the output they decode meanwhile (the admission check,
         and with no horizon the score's KV term):
@@ -325,7 +326,9 @@ class Placer:
           + the others' growth within the horizon      min(their published growth, their requests x horizon /
                                                        decode s)  (they publish a total, not its timing)
 
-        Requests ending within the horizon free their KV before it ends, which this leaves out (an upper bound).
+        Requests ending within the horizon free their KV before it ends, which this leaves out (an upper bound),
+        unless `frees`: then this sidecar's requests free what they hold at their predicted ends, and the own growth
+        term is its peak over the horizon (kv_growth.py `peak_within`), the most the engine holds at any moment.
         A request placed now needs the KV for its own lifetime only (`lifetime_s`): growth after it ends cannot
         preempt it, and placing it does not add to it. So the engine's KV fits what its requests will grow into
         while the new one runs, not only what they hold now (no preemption when several gateways place long
@@ -340,7 +343,11 @@ class Placer:
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
         others = r.shared_requests * horizon_s / self.decode_s
-        return held + (own.within(now, horizon_s) if own is not None else 0.0) + min(r.shared_growth, others)
+        if own is None:
+            mine = 0.0
+        else:
+            mine = own.peak_within(now, horizon_s) if frees else own.within(now, horizon_s)
+        return held + mine + min(r.shared_growth, others)
 
     def _unshown_kv(self, r: Replica, own: KvGrowth | None) -> float:
         """What this sidecar's requests on `r` are expected to hold and `r`'s last scrape did not show: still to
@@ -368,15 +375,16 @@ class Placer:
     def kv_refusal(self, r: Replica, req: LLMRequest, now: float, limit: float, work: float,
                    held: float = 0.0) -> str | None:
         """Why `req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already
-        hold) does not fit within `limit` beside what `r` will hold during its lifetime (`kv_committed`; the
-        whole future first: O(1), and enough whenever the replica is not near full): KV_FULL, KV_SHARE (it
-        fits, beyond this gateway's share: `_refusal`), or None."""
+        hold) does not fit within `limit` beside the most `r` will hold at any moment of its lifetime
+        (`kv_committed` with the ends of this sidecar's requests freeing theirs; the whole future first: O(1), and
+        enough whenever the replica is not near full): KV_FULL, KV_SHARE (it fits, beyond this gateway's share:
+        `_refusal`), or None."""
         footprint = req.total_tokens - held
         why = self._refusal(r, self.kv_committed(r, now), limit, footprint, now)
         if why is None:
             return None
-        return self._refusal(r, self.kv_committed(r, now, self.lifetime_s(r, req, now, work)), limit, footprint,
-                             now)
+        return self._refusal(r, self.kv_committed(r, now, self.lifetime_s(r, req, now, work), frees=True), limit,
+                             footprint, now)
 
     def _refusal(self, r: Replica, committed: float, limit: float, footprint: float, now: float) -> str | None:
         """`footprint` fits within `limit` beside `committed` (else KV_FULL), and, with other gateways placing in
@@ -410,9 +418,11 @@ class Placer:
         what the known requests hold can make the wait long.
 
         With limit_r = `kv_limit(r, req, w)` (capacity x w x (1 - kv_margin), or the request's footprint above it):
-            room_r      = limit_r - committed(now, lifetime)                   (`kv_fits`' room)
+            peak room_r = limit_r - committed(now, lifetime, with ends)       (`kv_fits`' room)
                           less the footprints ahead, each on the replica with the most room left
-            deficit_r   = footprint - room_r                                   (<= 0 on some r: None)
+                          (>= footprint on some r: None)
+            room_r      = the same without the ends (they are freed_r's, below)
+            deficit_r   = footprint - room_r
             unknown_r   = max(0, committed(now, inf) - own footprints in flight - the others' published ones)
             freed_r(t)  = unknown_r
                         + own footprints whose predicted end <= now + t   (own requests past it: at t = 0)
@@ -435,11 +445,14 @@ class Placer:
         fast = {r: lim - self.kv_committed(r, now) for r, lim in limits.items()}
         if max(self._room_behind(ahead, ahead_tokens, fast).values()) >= footprint:
             return None
-        rooms = self._room_behind(ahead, ahead_tokens, {
-            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, self.prefill_work(req.prompt_tokens)))
-            for r, lim in limits.items()})
-        if max(rooms.values()) >= footprint:
+        lifetimes = {r: self.lifetime_s(r, req, now, self.prefill_work(req.prompt_tokens)) for r in limits}
+        peak_rooms = self._room_behind(ahead, ahead_tokens, {
+            r: lim - self.kv_committed(r, now, lifetimes[r], frees=True) for r, lim in limits.items()})
+        if max(peak_rooms.values()) >= footprint:
             return None
+        # The wait: from the room its lifetime leaves without the ends, which `_kv_freed_after` then adds one by one.
+        rooms = self._room_behind(ahead, ahead_tokens, {
+            r: lim - self.kv_committed(r, now, lifetimes[r]) for r, lim in limits.items()})
         return min(self._kv_freed_after(r, now, footprint - room) for r, room in rooms.items())
 
     @staticmethod

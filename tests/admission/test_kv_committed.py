@@ -64,11 +64,46 @@ async def test_kv_that_frees_within_the_wait_budget_leaves_the_request_to_the_qu
     s = scheduler()
     for _ in range(8):
         s.submit(req(), 1.0)
-    short = s.submit(req(out=10, prompt=1_000), 1.0)  # ends 0.1 s after its first token, with 1,010 tokens
+    short = s.submit(req(out=10, prompt=6_000), 1.0)  # ends 0.1 s after its first token, with 6,010 tokens
     assert isinstance(short, Placement)
+    # 8 x 400 + 6,000 held now and 1,100 more is above the 9,900 at once: it fits only after the short one's end
     assert s.placer.kv_free_s(req(), 1.0) == pytest.approx(short.growth.end - 1.0)
     assert short.growth.end - 1.0 < s._wait_budget(req(), 1.0)
     assert isinstance(s.submit(req(), 1.0), Waiter)  # it waits for that end, as before
+
+
+async def test_a_long_generation_fits_where_the_short_ones_free_their_kv_before_its_output_needs_it():
+    """8 generations of 400 + 700 and a short one of 1,000 + 10 in flight: together they will hold 9,810 of the
+    9,900, but the short one ends 0.1 s after its first token, long before the others' outputs grow into its
+    1,010. A 9th long generation needs its 1,100 beside at most 8,800 at any moment: it is placed now (the upper
+    bound without the ends, 10,910, made it wait for that end)."""
+    s = scheduler()
+    for _ in range(8):
+        s.submit(req(), 1.0)
+    short = s.submit(req(out=10, prompt=1_000), 1.0)
+    assert isinstance(short, Placement)
+    p, r = s.placer, s.pool.replicas[0]
+    lifetime = p.lifetime_s(r, req(), 1.0, p.prefill_work(400))
+    assert p.kv_committed(r, 1.0, lifetime) + 1_100 > 9_900                      # without the ends: no room
+    assert p.kv_committed(r, 1.0, lifetime, frees=True) + 1_100 <= 9_900 + 1e-6  # with them: room
+    assert p.kv_free_s(req(), 1.0) is None
+    assert isinstance(s.submit(req(), 1.0), Placement)
+    with pytest.raises(Shed):
+        s.submit(req(), 1.0)  # a 10th does not fit at the peak either
+
+
+def test_the_peak_counts_growth_until_each_end_frees_what_that_request_holds():
+    g = KvGrowth()
+    g.add(0.0, 100, D, tokens=600, prompt=500)    # decodes 0..1 s, then frees 600
+    g.add(0.0, 400, D, tokens=500, prompt=100)    # decodes 0..4 s
+    assert g.within(0.0, 2.0) == pytest.approx(100 + 200)
+    # just before the first end: 100 + 100 grown; after it 600 freed, and the second grows 100 more by 2 s
+    assert g.peak_within(0.0, 2.0) == pytest.approx(200)
+    assert g.peak_within(0.0, 0.5) == pytest.approx(100)  # no end within: as within
+    assert g.peak_within(0.0, 8.0) == pytest.approx(200)  # 100 + 400 - 600 after both... the peak stays the first
+    late = KvGrowth()
+    late.add(3.0, 100, D, tokens=150, prompt=50)  # starts decoding within the horizon, ends after it
+    assert late.peak_within(0.0, 3.5) == pytest.approx(50) == late.within(0.0, 3.5)
 
 
 def test_the_waiters_ahead_take_the_kv_left_first():
@@ -136,13 +171,13 @@ async def test_a_request_that_ends_before_the_kv_frees_for_the_queued_one_goes_f
     s = scheduler()
     for _ in range(8):
         s.submit(req(), 1.0)
-    short = s.submit(req(out=10, prompt=1_000), 1.0)  # 90 tokens of KV left; 1,010 free 0.1 s after its start
+    short = s.submit(req(out=10, prompt=6_000), 1.0)  # 9,200 held now; 6,010 free 0.1 s after its start
     head = s.submit(req(), 1.0)
     assert isinstance(short, Placement) and isinstance(head, Waiter)  # waits for the short one's KV
     assert s.kv_held_until[head.lane] == pytest.approx(short.growth.end)
     tiny = s.submit(req(prompt=50, out=5), 1.0)  # 55 tokens, ends after 0.05 s: before the head could start
     assert isinstance(tiny, Placement)
-    late = s.submit(req(prompt=50, out=30), 1.0)  # would still decode when the KV frees: behind the head
+    late = s.submit(req(prompt=50, out=60), 1.0)  # would still decode when the KV frees: behind the head
     assert isinstance(late, Waiter)
     assert s.queues[head.lane].behind(head, 8) == [late]
     assert s.kick(1.0) == 0 and not late.future.done()  # a kick does not let it pass either
