@@ -166,7 +166,7 @@ class KvGrowth:
                 total += ((end if end < until else until) - now) * g.per_s
         return total
 
-    def peak_within(self, now: float, horizon_s: float) -> float:
+    def peak_within(self, now: float, horizon_s: float, joining: Growth | None = None) -> float:
         """The most KV the counted requests add to what they hold now at any moment of the next `horizon_s` seconds,
         each one's end freeing what it holds then (`within` with the ends subtracted; `within` bounds it):
 
@@ -174,15 +174,24 @@ class KvGrowth:
             grown(t) = sum over i of (min(end_i, t) - max(first_i, now))+ / d_i     output decoded from now to t
             freed(t) = sum over i with end_i < t of (prompt_i + out_i)             what i holds when it ends
 
+        `joining`: a request about to be placed whose lifetime is the horizon (not in the ledger): its output decoded
+        from its first token on counts in grown(t) as well, so the peak is where the others' growth and frees meet
+        its own growth, not its whole output at once.
+
         grown rises between events and freed falls only at an end, so the peak is just before an end or at the
         horizon: one sweep over the starts and ends in time order, O(n log n) in the requests in flight (read only
-        when `within` does not fit). A long request refused on `within` waits for KV that the short ones around it
-        free long before its own output needs it (P9 on real engines: its long requests got 0.67-0.83 of the best
-        baseline's goodput)."""
+        when the whole future does not fit). A long request refused on `within` waits for KV that the short ones
+        around it free long before its own output needs it (P9 on real engines: its long requests got 0.67-0.83 of
+        the best baseline's goodput)."""
         self._advance(now)
         until = now + horizon_s
         events: list[tuple[float, int, Growth]] = []  # (time, 0 = starts decoding | 1 = ends, entry)
         rate = 0.0
+        if joining is not None:
+            if joining.first <= now:
+                rate += joining.per_s
+            elif joining.first < until:
+                events.append((joining.first, 0, joining))
         for first, _, g in self._pending:
             if g.live and first < until:
                 events.append((first, 0, g))

@@ -306,7 +306,8 @@ class Placer:
         g = self.growth.get(r)
         return g.remaining(now) if g is not None else 0.0
 
-    def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None, frees: bool = False) -> float:
+    def kv_committed(self, r: Replica, now: float, horizon_s: float | None = None, frees: bool = False,
+                     joining: Growth | None = None) -> float:
         """KV tokens the replica's engine will hold, at most, within the next `horizon_s` seconds (None: before its
         requests in flight end): what it holds now plus the output they decode meanwhile (the admission check,
         and with no horizon the score's KV term):
@@ -328,7 +329,8 @@ class Placer:
 
         Requests ending within the horizon free their KV before it ends, which this leaves out (an upper bound),
         unless `frees`: then this sidecar's requests free what they hold at their predicted ends, and the own growth
-        term is its peak over the horizon (kv_growth.py `peak_within`), the most the engine holds at any moment.
+        term is its peak over the horizon (kv_growth.py `peak_within`), the most the engine holds at any moment,
+        with `joining`'s output (the request being placed, `kv_peak`) decoding beside them.
         A request placed now needs the KV for its own lifetime only (`lifetime_s`): growth after it ends cannot
         preempt it, and placing it does not add to it. So the engine's KV fits what its requests will grow into
         while the new one runs, not only what they hold now (no preemption when several gateways place long
@@ -338,6 +340,8 @@ class Placer:
         if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
         own = self.growth.get(r)
+        if own is None and joining is not None:
+            own = KvGrowth()  # nothing of this sidecar's in flight here: the joining request's growth alone
         held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
                                   r.shared_prompt_tokens - r.shared_prompt_at_scrape, self._unshown_kv(r, own))
         if horizon_s is None:
@@ -346,7 +350,7 @@ class Placer:
         if own is None:
             mine = 0.0
         else:
-            mine = own.peak_within(now, horizon_s) if frees else own.within(now, horizon_s)
+            mine = own.peak_within(now, horizon_s, joining) if frees else own.within(now, horizon_s)
         return held + mine + min(r.shared_growth, others)
 
     def _unshown_kv(self, r: Replica, own: KvGrowth | None) -> float:
@@ -375,16 +379,31 @@ class Placer:
     def kv_refusal(self, r: Replica, req: LLMRequest, now: float, limit: float, work: float,
                    held: float = 0.0) -> str | None:
         """Why `req`'s footprint (less `held`, the tokens of its prefix that requests in flight on `r` already
-        hold) does not fit within `limit` beside the most `r` will hold at any moment of its lifetime
-        (`kv_committed` with the ends of this sidecar's requests freeing theirs; the whole future first: O(1), and
+        hold) does not fit within `limit` at every moment of its lifetime: its prompt from now on, its output as it
+        decodes, beside what `r` holds then (`kv_peak`; the whole future with its whole footprint first: O(1), and
         enough whenever the replica is not near full): KV_FULL, KV_SHARE (it fits, beyond this gateway's share:
         `_refusal`), or None."""
         footprint = req.total_tokens - held
         why = self._refusal(r, self.kv_committed(r, now), limit, footprint, now)
         if why is None:
             return None
-        return self._refusal(r, self.kv_committed(r, now, self.lifetime_s(r, req, now, work), frees=True), limit,
-                             footprint, now)
+        return self._refusal(r, self.kv_peak(r, req, now, work), limit, footprint, now)
+
+    def kv_peak(self, r: Replica, req: LLMRequest, now: float, work: float) -> float:
+        """What `req`'s footprint must fit beside on `r` (`work`: its prefill work there):
+
+            kv_peak = max over its lifetime of (what r holds, its requests' ends freeing theirs, + req's output
+                      decoded by then) - req's expected output
+                    = kv_committed(now, lifetime, frees, joining = req) - expected output
+
+        so that kv_peak + footprint is the highest point of r's KV with req placed (its prompt held from now on).
+        Between what r holds at req's end and kv_committed(now, lifetime) without the ends."""
+        if not r.engine.scraped_at:
+            return self.kv_committed(r, now)  # the reservations in flight: every footprint in full
+        lifetime = self.lifetime_s(r, req, now, work)
+        out = req.expected_output_tokens
+        joining = Growth(now + self.predicted_ttft_s(r, work, now), out, self.decode_s)
+        return self.kv_committed(r, now, lifetime, frees=True, joining=joining) - out
 
     def _refusal(self, r: Replica, committed: float, limit: float, footprint: float, now: float) -> str | None:
         """`footprint` fits within `limit` beside `committed` (else KV_FULL), and, with other gateways placing in
@@ -418,7 +437,7 @@ class Placer:
         what the known requests hold can make the wait long.
 
         With limit_r = `kv_limit(r, req, w)` (capacity x w x (1 - kv_margin), or the request's footprint above it):
-            peak room_r = limit_r - committed(now, lifetime, with ends)       (`kv_fits`' room)
+            peak room_r = limit_r - kv_peak_r                              (`kv_fits`' room)
                           less the footprints ahead, each on the replica with the most room left
                           (>= footprint on some r: None)
             room_r      = the same without the ends (they are freed_r's, below)
@@ -445,14 +464,14 @@ class Placer:
         fast = {r: lim - self.kv_committed(r, now) for r, lim in limits.items()}
         if max(self._room_behind(ahead, ahead_tokens, fast).values()) >= footprint:
             return None
-        lifetimes = {r: self.lifetime_s(r, req, now, self.prefill_work(req.prompt_tokens)) for r in limits}
+        work = self.prefill_work(req.prompt_tokens)
         peak_rooms = self._room_behind(ahead, ahead_tokens, {
-            r: lim - self.kv_committed(r, now, lifetimes[r], frees=True) for r, lim in limits.items()})
+            r: lim - self.kv_peak(r, req, now, work) for r, lim in limits.items()})
         if max(peak_rooms.values()) >= footprint:
             return None
         # The wait: from the room its lifetime leaves without the ends, which `_kv_freed_after` then adds one by one.
         rooms = self._room_behind(ahead, ahead_tokens, {
-            r: lim - self.kv_committed(r, now, lifetimes[r]) for r, lim in limits.items()})
+            r: lim - self.kv_committed(r, now, self.lifetime_s(r, req, now, work)) for r, lim in limits.items()})
         return min(self._kv_freed_after(r, now, footprint - room) for r, room in rooms.items())
 
     @staticmethod

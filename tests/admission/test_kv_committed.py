@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from extproc.admission.kv_growth import KvGrowth
+from extproc.admission.kv_growth import Growth, KvGrowth
 from extproc.admission.placement import Placer
 from extproc.admission.queue import Waiter
 from extproc.admission.scheduler import Placement, Scheduler, Shed
@@ -64,9 +64,9 @@ async def test_kv_that_frees_within_the_wait_budget_leaves_the_request_to_the_qu
     s = scheduler()
     for _ in range(8):
         s.submit(req(), 1.0)
-    short = s.submit(req(out=10, prompt=6_000), 1.0)  # ends 0.1 s after its first token, with 6,010 tokens
+    short = s.submit(req(out=10, prompt=6_400), 1.0)  # ends 0.1 s after its first token, with 6,410 tokens
     assert isinstance(short, Placement)
-    # 8 x 400 + 6,000 held now and 1,100 more is above the 9,900 at once: it fits only after the short one's end
+    # 8 x 400 + 6,400 held now, their growth and a 400-token prompt more pass the 9,900: it fits after that end
     assert s.placer.kv_free_s(req(), 1.0) == pytest.approx(short.growth.end - 1.0)
     assert short.growth.end - 1.0 < s._wait_budget(req(), 1.0)
     assert isinstance(s.submit(req(), 1.0), Waiter)  # it waits for that end, as before
@@ -86,6 +86,7 @@ async def test_a_long_generation_fits_where_the_short_ones_free_their_kv_before_
     lifetime = p.lifetime_s(r, req(), 1.0, p.prefill_work(400))
     assert p.kv_committed(r, 1.0, lifetime) + 1_100 > 9_900                      # without the ends: no room
     assert p.kv_committed(r, 1.0, lifetime, frees=True) + 1_100 <= 9_900 + 1e-6  # with them: room
+    assert p.kv_peak(r, req(), 1.0, p.prefill_work(400)) <= p.kv_committed(r, 1.0, lifetime, frees=True)
     assert p.kv_free_s(req(), 1.0) is None
     assert isinstance(s.submit(req(), 1.0), Placement)
     with pytest.raises(Shed):
@@ -104,6 +105,16 @@ def test_the_peak_counts_growth_until_each_end_frees_what_that_request_holds():
     late = KvGrowth()
     late.add(3.0, 100, D, tokens=150, prompt=50)  # starts decoding within the horizon, ends after it
     assert late.peak_within(0.0, 3.5) == pytest.approx(50) == late.within(0.0, 3.5)
+
+
+def test_the_request_being_placed_grows_beside_them_from_its_first_token():
+    g = KvGrowth()
+    g.add(0.0, 100, D, tokens=600, prompt=500)           # decodes 0..1 s, then frees 600
+    joining = Growth(0.5, 300, D)                         # decodes 0.5..3.5 s: the horizon is its lifetime
+    # before the end: 100 + 50 of its own; at the horizon: 300 of its own - 600 freed + 100 grown
+    assert g.peak_within(0.0, 3.5, joining) == pytest.approx(150)
+    assert g.peak_within(0.0, 3.5) == pytest.approx(100)
+    assert KvGrowth().peak_within(0.0, 3.5, joining) == pytest.approx(300)  # alone: its whole output by its end
 
 
 def test_the_waiters_ahead_take_the_kv_left_first():
@@ -171,7 +182,7 @@ async def test_a_request_that_ends_before_the_kv_frees_for_the_queued_one_goes_f
     s = scheduler()
     for _ in range(8):
         s.submit(req(), 1.0)
-    short = s.submit(req(out=10, prompt=6_000), 1.0)  # 9,200 held now; 6,010 free 0.1 s after its start
+    short = s.submit(req(out=10, prompt=6_400), 1.0)  # 9,600 held now; 6,410 free 0.1 s after its start
     head = s.submit(req(), 1.0)
     assert isinstance(short, Placement) and isinstance(head, Waiter)  # waits for the short one's KV
     assert s.kv_held_until[head.lane] == pytest.approx(short.growth.end)

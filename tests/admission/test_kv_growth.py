@@ -117,7 +117,7 @@ def test_after_a_scrape_the_output_still_to_decode_counts_not_only_the_prompt_he
     r.on_scrape(ScrapedState(scraped_at=1.1, kv_usage=8 * 410 / 11_000, running=8))  # prompts + 10 tokens each
     assert p.kv_held(r, 1.1) == pytest.approx(3_280)
     assert p.kv_committed(r, 1.1) == pytest.approx(3_280 + 8 * (p.growth[r].remaining(1.1) / 8), rel=1e-6)
-    assert p.why_not(r, req(out=1_000), 0, 1.1, 5.0) == KV_FULL  # a 9th long one: 1,400 beside ~8,700 at their ends
+    assert p.why_not(r, req(prompt=1_500), 0, 1.1, 5.0) == KV_FULL  # a 9th: 1,500 + its output by their ends
     assert p.why_not(r, req(out=30), 0, 1.1, 5.0) is None        # a short one ends well before that
     later = 1.0 + 8 * 400 / 10_000 + 700 * D  # the last prefilled after the others (10,000 tokens/s): all ended
     r.on_scrape(ScrapedState(scraped_at=later, kv_usage=0.0))
