@@ -47,8 +47,23 @@ COMPACT_MIN = 64  # removed entries tolerated in the heaps before a rebuild is c
 _seq = count()     # tie-breaker for heap entries with equal times
 
 
+END_SLACK = 1.5  # a request's KV counts as freed only after this x its predicted time left (`peak_within`)
+START, STOP, FREE = 0, 1, 2  # `peak_within`'s events, in this order at one time: the peak counts them all
+
+
 def _event_order(e: tuple[float, int, "Growth"]) -> tuple[float, int]:
-    return e[0], e[1]  # at one time, starts before ends: the peak counts both
+    return e[0], e[1]
+
+
+def _end_events(events: list[tuple[float, int, "Growth"]], g: "Growth", now: float, until: float) -> None:
+    """`g`'s output stops growing at its predicted end and its KV is freed END_SLACK x its time left from now: the
+    end is predicted at the decode speed of its placement, and an engine that got busier since decodes slower (a
+    free counted early is a preemption; one counted late a request held back)."""
+    if g.end < until:
+        events.append((g.end, STOP, g))
+        freed_at = now + (g.end - now) * END_SLACK
+        if freed_at < until:
+            events.append((freed_at, FREE, g))
 
 
 class Growth:
@@ -172,49 +187,49 @@ class KvGrowth:
 
             peak     = max over t in [now, now + horizon] of  grown(t) - freed(t)
             grown(t) = sum over i of (min(end_i, t) - max(first_i, now))+ / d_i     output decoded from now to t
-            freed(t) = sum over i with end_i < t of (prompt_i + out_i)             what i holds when it ends
+            freed(t) = sum over i with free_i < t of (prompt_i + out_i)            what i holds when it ends
+            free_i   = now + END_SLACK x (end_i - now)                            its end, with a margin
 
         `joining`: a request about to be placed whose lifetime is the horizon (not in the ledger): its output decoded
         from its first token on counts in grown(t) as well, so the peak is where the others' growth and frees meet
         its own growth, not its whole output at once.
 
-        grown rises between events and freed falls only at an end, so the peak is just before an end or at the
+        grown rises between events and freed falls only at a free, so the peak is just before a free or at the
         horizon: one sweep over the starts and ends in time order, O(n log n) in the requests in flight (read only
         when the whole future does not fit). A long request refused on `within` waits for KV that the short ones
         around it free long before its own output needs it (P9 on real engines: its long requests got 0.67-0.83 of
         the best baseline's goodput)."""
         self._advance(now)
         until = now + horizon_s
-        events: list[tuple[float, int, Growth]] = []  # (time, 0 = starts decoding | 1 = ends, entry)
+        events: list[tuple[float, int, Growth]] = []  # (time, START | STOP | FREE, entry)
         rate = 0.0
         if joining is not None:
             if joining.first <= now:
                 rate += joining.per_s
             elif joining.first < until:
-                events.append((joining.first, 0, joining))
+                events.append((joining.first, START, joining))
         for first, _, g in self._pending:
             if g.live and first < until:
-                events.append((first, 0, g))
-                if g.end < until:
-                    events.append((g.end, 1, g))
-        for end, _, g in self._decoding:
+                events.append((first, START, g))
+                _end_events(events, g, now, until)
+        for _, _, g in self._decoding:
             if g.live:
                 rate += g.per_s
-                if end < until:
-                    events.append((end, 1, g))
+                _end_events(events, g, now, until)
         events.sort(key=_event_order)
         grown = freed = peak = 0.0
         at = now
         for t, kind, g in events:
             grown += rate * (t - at)
             at = t
-            if kind:
+            if kind == START:
+                rate += g.per_s
+            elif kind == STOP:
+                rate -= g.per_s
+            else:
                 if grown - freed > peak:
                     peak = grown - freed
                 freed += g.prompt + g.out
-                rate -= g.per_s
-            else:
-                rate += g.per_s
         grown += rate * (until - at)
         return max(peak, grown - freed)
 

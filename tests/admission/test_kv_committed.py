@@ -95,13 +95,13 @@ async def test_a_long_generation_fits_where_the_short_ones_free_their_kv_before_
 
 def test_the_peak_counts_growth_until_each_end_frees_what_that_request_holds():
     g = KvGrowth()
-    g.add(0.0, 100, D, tokens=600, prompt=500)    # decodes 0..1 s, then frees 600
-    g.add(0.0, 400, D, tokens=500, prompt=100)    # decodes 0..4 s
+    g.add(0.0, 100, D, tokens=600, prompt=500)    # decodes 0..1 s, freed 1.5 s from now (END_SLACK)
+    g.add(0.0, 400, D, tokens=500, prompt=100)    # decodes 0..4 s, freed at 6 s
     assert g.within(0.0, 2.0) == pytest.approx(100 + 200)
-    # just before the first end: 100 + 100 grown; after it 600 freed, and the second grows 100 more by 2 s
-    assert g.peak_within(0.0, 2.0) == pytest.approx(200)
-    assert g.peak_within(0.0, 0.5) == pytest.approx(100)  # no end within: as within
-    assert g.peak_within(0.0, 8.0) == pytest.approx(200)  # 100 + 400 - 600 after both... the peak stays the first
+    # just before the first is freed: 100 + 150 grown; then 600 freed, and the second grows 50 more by 2 s
+    assert g.peak_within(0.0, 2.0) == pytest.approx(250)
+    assert g.peak_within(0.0, 0.5) == pytest.approx(100)  # nothing freed within: as within
+    assert g.peak_within(0.0, 8.0) == pytest.approx(250)  # 500 grown - 600 freed before the second's free
     late = KvGrowth()
     late.add(3.0, 100, D, tokens=150, prompt=50)  # starts decoding within the horizon, ends after it
     assert late.peak_within(0.0, 3.5) == pytest.approx(50) == late.within(0.0, 3.5)
@@ -109,10 +109,10 @@ def test_the_peak_counts_growth_until_each_end_frees_what_that_request_holds():
 
 def test_the_request_being_placed_grows_beside_them_from_its_first_token():
     g = KvGrowth()
-    g.add(0.0, 100, D, tokens=600, prompt=500)           # decodes 0..1 s, then frees 600
+    g.add(0.0, 100, D, tokens=600, prompt=500)           # decodes 0..1 s, its 600 freed at 1.5 s
     joining = Growth(0.5, 300, D)                         # decodes 0.5..3.5 s: the horizon is its lifetime
-    # before the end: 100 + 50 of its own; at the horizon: 300 of its own - 600 freed + 100 grown
-    assert g.peak_within(0.0, 3.5, joining) == pytest.approx(150)
+    # before the free: 100 + 100 of its own; at the horizon: 300 of its own - 600 freed + 100 grown
+    assert g.peak_within(0.0, 3.5, joining) == pytest.approx(200)
     assert g.peak_within(0.0, 3.5) == pytest.approx(100)
     assert KvGrowth().peak_within(0.0, 3.5, joining) == pytest.approx(300)  # alone: its whole output by its end
 
