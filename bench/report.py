@@ -216,7 +216,8 @@ computes the metrics. Systems:
   (the SLO as `admission.ttft_target_s`, tenants, a task budget), listed above each table.
 
 Clients are the openai SDK by default (max_retries 2 with its backoff and jitter, honouring retry-after and
-x-should-retry, sending x-stainless-retry-count and x-stainless-read-timeout; `bench/openloop.py`). Every
+x-should-retry, sending x-stainless-retry-count and x-stainless-read-timeout, failing a stream at an error event as
+the SDK raises there; `bench/openloop.py`). Every
 scenario reports `slo_goodput_rps` (user requests whose first token came within the scenario's SLO of their
 first send, retries included, and that completed, per second of offered load), the same per class with each
 class's TTFT p95 from the first send (requests without a first token censored at the time their user waited,
