@@ -289,3 +289,21 @@ def test_several_files_side_by_side_name_each_column_by_its_label(tmp_path: Path
         files[-1].write_text(json.dumps(r))
     with pytest.raises(SystemExit):
         main([str(f) for f in files] + ["--scenario", "P1f", "--labels", "only-one"])
+
+
+def test_classes_add_a_row_per_class_with_each_repetitions_value():
+    """`--classes`: a row per class of class_slo_goodput, the median then each repetition's value, '-' for a system
+    without that class; without it no class row (the published tables stay as they are)."""
+    from bench.seeds_report import scenario_table
+
+    def run(long: list[float]) -> dict:
+        reps = [{"long": v, "short": 4.0} for v in long]
+        return {"P9": {"sluice": {"slo_goodput_rps": 5.0, "per_rep_class_slo_goodput": reps},
+                       "smg": {"slo_goodput_rps": 4.0, "per_rep_class_slo_goodput": [{"short": 3.0}] * 3}},
+                "_meta": {"quick": True, "backend": "vllm-cpu"}}
+
+    text = scenario_table([run([1.0, 1.25, 0.5]), run([1.5, 1.5, 1.0])], "P9", ["before", "after"], classes=True)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines()}
+    assert rows["| `class_slo_goodput` long (req/s)"].split(" | ")[1:] == [
+        "1 [1, 1.25, 0.5]", "-", "1.5 [1.5, 1.5, 1]", "- |"]
+    assert "short" in text and "class_slo_goodput" not in scenario_table([run([1.0] * 3)], "P9")
