@@ -340,17 +340,16 @@ class Placer:
         if not r.engine.scraped_at:
             return float(r.inflight_tokens + r.shared_tokens)
         own = self.growth.get(r)
-        if own is None and joining is not None:
-            own = KvGrowth()  # nothing of this sidecar's in flight here: the joining request's growth alone
         held = self._since_scrape(r, now, r.placed_since_scrape_prompt_tokens, r.inflight_prompt_tokens,
                                   r.shared_prompt_tokens - r.shared_prompt_at_scrape, self._unshown_kv(r, own))
         if horizon_s is None:
             return held + (own.remaining(now) if own is not None else 0.0) + r.shared_growth
         others = r.shared_requests * horizon_s / self.decode_s
-        if own is None:
-            mine = 0.0
+        if frees:
+            ledger = own if own is not None else KvGrowth()  # none of this sidecar's here: the joining one alone
+            mine = ledger.peak_within(now, horizon_s, joining)
         else:
-            mine = own.peak_within(now, horizon_s, joining) if frees else own.within(now, horizon_s)
+            mine = own.within(now, horizon_s) if own is not None else 0.0
         return held + mine + min(r.shared_growth, others)
 
     def _unshown_kv(self, r: Replica, own: KvGrowth | None) -> float:
