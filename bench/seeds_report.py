@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +157,10 @@ def class_cell(metrics: dict[str, Any], cls: str) -> str:
     one repetition: its value); '-' where the system has no such class."""
     reps = metrics.get("per_rep_class_slo_goodput") or [metrics.get("class_slo_goodput")]
     values = [(rep or {}).get(cls) for rep in reps]
-    known = sorted(v for v in values if v is not None)
+    known = [v for v in values if v is not None]
     if not known:
         return "-"
-    mid = len(known) // 2
-    median = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
-    text = exact(round(median, 4))
+    text = exact(round(statistics.median(known), 4))  # as the runner's medians (`combine_reps`)
     return f"{text} [{', '.join(exact(v) for v in values)}]" if len(values) > 1 else text
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
+from operator import itemgetter
 
 COMPACT_MIN = 64  # removed entries tolerated in the heaps before a rebuild is considered
 _seq = count()     # tie-breaker for heap entries with equal times
@@ -49,10 +50,6 @@ _seq = count()     # tie-breaker for heap entries with equal times
 
 END_SLACK = 1.5  # a request's KV counts as freed only after this x its predicted time left (`peak_within`)
 START, STOP, FREE = 0, 1, 2  # `peak_within`'s events, in this order at one time: the peak counts them all
-
-
-def _event_order(e: tuple[float, int, "Growth"]) -> tuple[float, int]:
-    return e[0], e[1]
 
 
 def _end_events(events: list[tuple[float, int, "Growth"]], g: "Growth", now: float, until: float) -> None:
@@ -216,7 +213,7 @@ class KvGrowth:
             if g.live:
                 rate += g.per_s
                 _end_events(events, g, now, until)
-        events.sort(key=_event_order)
+        events.sort(key=itemgetter(0, 1))  # by time, then START, STOP, FREE (entries do not compare)
         grown = freed = peak = 0.0
         at = now
         for t, kind, g in events:
