@@ -40,9 +40,13 @@ work, not tokens: the tokens computed in the interval x the work per uncached to
 on the replica (`inflight_prefill_work / inflight_prefill_new`), and the placer charges each prompt its own work. A
 measurement speaks for the largest lane in flight on the replica during its interval (at the scrape that opened it or
 the one that closed it: a finished request's prefill time is read after it left). While the replica runs a request of a
-larger lane than any it ran when measured (a long prompt among short ones, whose own speed was never seen), the speed of
-the peers that pace the pool (below) measured with that lane in flight stands, if slower, and the configured speed when
-none was. Nothing is measured from the prompt counter while a request of the last lane (the long prompts) was in flight
+larger lane than its latest measurement's (a long prompt among short ones), the latest speed each replica that paces the
+pool (below), itself included, showed with that lane or a larger one in flight stands, if slower, and the configured
+speed when none did. Each replica keeps its latest measurement per lane for this: a later one among smaller prompts
+replaces its speed, not what it showed with a long prompt in flight (when only the latest counted, the real engines'
+PX went back to the configured 10,000 work/s for 1-2 s at a time, against the 22,000-35,000 they had shown, and the
+gate shed cold prompts they would have served in time; docs/benchmarks.md, "A lane keeps its measured speed").
+Nothing is measured from the prompt counter while a request of the last lane (the long prompts) was in flight
 in the interval: its prompt is counted in one lump when its prefill ends, seconds later, and would read as a burst of
 speed (measured in P2). The placer uses one speed for the pool, so the pool's is the slowest healthy replica's: the
 cautious choice when one replica holds a long prompt and the others do not (that is its lane rule, above). A replica
@@ -60,7 +64,7 @@ refusals with the replicas' KV near 5 %); slow start (health.py) backs off if it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from extproc.routing.pool import HEALTHY, RECOVERING, Replica
@@ -88,6 +92,8 @@ class _Seen:
     rate: float = 0.0          # learned prefill work/s (0: never measured)
     measured_at: float = 0.0
     lane: int = -1             # largest lane with a request in flight on the replica when measured
+    by_lane: dict[int, tuple[float, float]] = field(default_factory=dict)  # per such lane, its latest measurement
+                                                                            # (rate, measured_at)
     top: int = -1              # largest lane in flight on it at the previous scrape
     prefill_s: float = -1.0    # the engine's finished requests then: their prefill seconds (-1: not exported),
     prefilled: float = -1.0    # their number ...
@@ -134,8 +140,19 @@ class PrefillRate:
         flight (the pool's replicas run on like hardware: the placer paces them with one speed); the configured one
         when none was. A replica that left the pool, fell sick or is slow-starting paces no lane: its speed is
         health's business, as in the pool's own pace."""
-        measured = [self._relaxed(p, now) for p in self._pacers if p.rate > 0 and p.lane >= lane]
-        return min(measured) if measured else self.prior
+        measured = [self._lane_rate(p, lane, now) for p in self._pacers]
+        known = [rate for rate in measured if rate > 0]
+        return min(known) if known else self.prior
+
+    def _lane_rate(self, s: _Seen, lane: int, now: float) -> float:
+        """The replica's latest speed measured while a request of `lane` or larger was in flight, relaxed as its
+        own (0: none). Kept per lane: a later measurement among smaller prompts replaces the replica's speed, not
+        what it showed with a long prompt in flight."""
+        seen = [v for k, v in s.by_lane.items() if k >= lane]
+        if not seen:
+            return 0.0
+        rate, at = max(seen, key=lambda v: v[1])
+        return self._relax(rate, at, now)
 
     def _observe(self, s: _Seen, r: Replica, learn: bool = True) -> None:
         e = r.engine
@@ -170,6 +187,7 @@ class PrefillRate:
         if new > 0:
             s.rate, s.measured_at = min(new, old * MAX_STEP), at
             s.lane = lane
+            s.by_lane[lane] = (s.rate, at)
         s.at, s.total, s.waiting, s.hits, s.top = at, total, e.waiting, hits, top
         s.prefill_s, s.prefilled, s.computed = prefill_s, prefilled, computed
 
@@ -184,8 +202,12 @@ class PrefillRate:
     def _relaxed(self, s: _Seen, now: float) -> float:
         if s.rate <= 0:
             return self.prior
-        keep = math.exp(-max(0.0, now - s.measured_at) / RELAX_S)
-        rate = self.prior + (s.rate - self.prior) * keep
+        return self._relax(s.rate, s.measured_at, now)
+
+    def _relax(self, rate: float, measured_at: float, now: float) -> float:
+        """A measured speed relaxed back to the configured one with time (RELAX_S), within BOUND of it."""
+        keep = math.exp(-max(0.0, now - measured_at) / RELAX_S)
+        rate = self.prior + (rate - self.prior) * keep
         return min(self.prior * BOUND, max(self.prior / BOUND, rate))
 
 

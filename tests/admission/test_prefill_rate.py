@@ -81,6 +81,26 @@ def test_a_larger_lane_in_flight_than_when_measured_falls_back_to_the_configured
     assert pr.update(rs, 1.2) == 10_000
 
 
+def test_a_lane_keeps_the_speed_measured_with_it_in_flight_after_smaller_ones_are_measured():
+    """Real PX on the engines: a speed measured with a long prompt in flight, then a higher one among smaller prompts,
+    and the next long prompt put the pool back at the configured 10,000 for seconds (against the engines' ~25,000:
+    the gate shed cold prompts the engines would have served in time). The replica keeps what it showed with the
+    long lane in flight, relaxed as its own."""
+    rs, pr = replicas(1), PrefillRate(10_000)
+    rs[0].lane_inflight = [0, 0, 1]
+    finished(rs, 1.0, 0.0, 0, 0)
+    pr.update(rs, 1.0)
+    finished(rs, 1.2, 0.25, 1, 3_500)  # 14,000/s with the long prompt in flight
+    assert abs(pr.update(rs, 1.2) - 14_000) < 1
+    rs[0].lane_inflight = [0, 1, 0]
+    finished(rs, 1.4, 0.25, 1, 3_500)  # nothing finished: the long prompt's interval is over
+    pr.update(rs, 1.4)
+    finished(rs, 1.6, 0.45, 2, 7_500)  # 20,000/s among normal prompts
+    assert abs(pr.update(rs, 1.6) - 20_000) < 1
+    rs[0].lane_inflight = [0, 1, 1]  # the next long prompt: its lane's speed, not the configured one
+    assert 13_900 < pr.update(rs, 1.6) < 14_000
+
+
 def test_a_larger_lane_falls_back_to_a_peer_measured_with_it_in_flight():
     """The pool's replicas run on like hardware: a replica that now runs its first long prompt is paced by the
     speed its peer showed with one in flight, when that is slower than its own, not by the configured speed."""
