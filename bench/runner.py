@@ -439,6 +439,24 @@ def engine_probe(run: RunData) -> dict[str, float]:
     return {"engine_probe_s": round(sum(probes.values()) / len(probes), 4)} if probes else {}
 
 
+def replica_shares(run: RunData) -> dict[str, dict[str, float]]:
+    """Each replica's part of the run, from its counters at the end (`sim_final`, counted since the run began):
+    the requests it received (`requests_received`) and, where the engine counts them, the prompt tokens it was
+    queried for in its prefix cache and the share of them it found there. Real engines do not name the replica that
+    answered, so this is where a router's placement shows on them (PX: how the apps' prompts were split between
+    the engines, and how much of them each found cached)."""
+    out: dict[str, dict[str, float]] = {}
+    for addr, state in run.sim_final.items():
+        counters = state.get("counters") or {}
+        row = {"received": requests_received(state)}
+        queries, hits = counters.get("prefix_cache_queries"), counters.get("prefix_cache_hits")
+        if isinstance(queries, (int, float)) and isinstance(hits, (int, float)) and queries > 0:
+            row["prefix_queries"] = float(queries)
+            row["prefix_hit_rate"] = round(hits / queries, 3)
+        out[addr] = row
+    return out
+
+
 def diagnostics(run: RunData) -> dict[str, Any]:
     out: dict[str, Any] = {}
     text = run.extra.get("sidecar_prom_text")
@@ -454,6 +472,9 @@ def diagnostics(run: RunData) -> dict[str, Any]:
     probes = run.extra.get("engine_probe_s")
     if probes:
         out["engine_probe_s"] = probes  # each real engine's speed before this system's run (VllmBackend._probe)
+    replicas = replica_shares(run)
+    if replicas:
+        out["replicas"] = replicas
     envoy = {k: v for k, v in run.envoy_stats.items() if v and any(k.endswith(d) for d in ENVOY_DIAG)}
     if envoy:
         out["envoy"] = envoy

@@ -399,3 +399,20 @@ def test_hop_cost_drives_every_request_through_the_gateway_and_releases_it() -> 
     result = run(requests=40, rounds=2)
     assert result["forwarded"] == 80 and result["open_requests_left"] == 0
     assert len(result["us_per_request_rounds"]) == 2 and result["us_per_request_min"] > 0
+
+
+def test_each_replicas_share_and_prefix_hits_are_in_the_diagnostics():
+    """Real engines name no replica in their answers: how a router split the prompts between them, and how much of
+    them each engine found cached, comes from each engine's counters at the end of the run."""
+    from bench.runner import diagnostics
+
+    run = RunData(scenario="PX", system="smg", time_scale=1.0, replicas=["a", "b"], duration=10.0)
+    run.sim_final = {
+        "a": {"running": 1, "waiting": 2, "counters": {"http_requests": 30, "prefix_cache_queries": 40_000.0,
+                                                        "prefix_cache_hits": 36_000.0}},
+        "b": {"running": 0, "waiting": 0, "counters": {"finished": {"stop": 7, "abort": 1}}},
+    }
+    assert diagnostics(run)["replicas"] == {
+        "a": {"received": 33.0, "prefix_queries": 40_000.0, "prefix_hit_rate": 0.9},
+        "b": {"received": 8.0},
+    }
