@@ -81,8 +81,8 @@ def test_calibrating_against_a_simulator_recovers_its_model(sims: list[str], tmp
 
 def test_the_closed_loop_probe_measures_what_the_model_gives(sims: list[str]) -> None:
     """16 clients back to back on a simulator: the completions per second the probe counts are the model's
-    (`run_closed_loop`) for the rig's request and a long answer. Tiny requests are left out: at this speed-up the HTTP path
-    itself, which the model does not have, is what limits them."""
+    (`run_closed_loop`) for the rig's request and a long answer. Tiny requests are left out: at this speed-up the
+    HTTP path itself, which the model does not have, is what limits them."""
     import asyncio
 
     import aiohttp
