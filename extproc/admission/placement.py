@@ -35,6 +35,9 @@ Among fitting replicas the lowest score wins:
           + 1 for each larger confined lane (max_replica_share < 1, e.g. long) with a request in flight there
             (short requests avoid long prefills, P3; unconfined lanes mix freely, which keeps KV balanced, P7)
           + 4 x (1 - health weight) (degraded and slow-starting replicas are the last choice, P6/P8)
+          - the home term on the home of the prompt's prefix (where its longest level was placed last):
+            HOME_STAY (0.5) x cached / prompt for a prefix of at least a tenth of the KV (prefix_affinity.py): a move
+            computes the prefix again elsewhere and evicts as much of other prefixes there (PX)
 where the prefill work is the cost of the prompt's uncached tokens, each weighted by its position in the context
 (`prefill_work`: attention makes a long prompt's tokens slower than a short one's), and the uncached tokens are
 prompt - confidence x cached tokens of its prefix there (prefix_affinity.py, in whole KV blocks: a prompt shorter
@@ -81,7 +84,7 @@ from typing import TYPE_CHECKING, Callable
 from extproc.admission.decode_time import BOUND as DECODE_BOUND
 from extproc.admission.kv_growth import Growth, KvGrowth
 from extproc.admission.policy import AdmissionPolicy
-from extproc.admission.prefix_affinity import PrefixAffinity
+from extproc.admission.prefix_affinity import PrefixAffinity, home_term
 from extproc.request import LLMRequest
 from extproc.routing.pool import EJECTED, HEALTHY, RECOVERING, Pool, Replica
 
@@ -93,14 +96,15 @@ NONE_CACHED: dict[Replica, float] = {}  # no prefix state: nothing cached or hel
 
 @dataclass(slots=True, eq=False)
 class PrefixLookup:
-    """One request's prefix-cache lookup: the tokens of its prompt cached per replica (valid while the prefix
-    state keeps its version) and, once `Placer.choose` asked, the prompt tokens that requests in flight hold
-    there (for `commit`)."""
+    """One request's prefix-cache lookup: the tokens of its prompt cached per replica and its prefix's home (both
+    valid while the prefix state keeps its version) and, once `Placer.choose` asked, the prompt tokens that
+    requests in flight hold there (for `commit`)."""
 
     req: LLMRequest
     prefix: PrefixAffinity
     version: int
     cached: dict[Replica, float]
+    home: Replica | None = None
     held: dict[Replica, float] | None = None
 
 LANE_PENALTY = 1.0  # score added per larger lane busy on a replica (= a full TTFT target of predicted wait)
@@ -264,7 +268,9 @@ class Placer:
             return None
         lookup = self._lookup
         if lookup is None or lookup.req is not req or lookup.prefix is not prefix or lookup.version != prefix.version:
-            lookup = self._lookup = PrefixLookup(req, prefix, prefix.version, prefix.cached_tokens(req))
+            cached = prefix.cached_tokens(req)
+            home = prefix.home(req) if cached else None
+            lookup = self._lookup = PrefixLookup(req, prefix, prefix.version, cached, home)
         return lookup
 
     def kv_held(self, r: Replica, now: float) -> float:
@@ -795,10 +801,11 @@ class Placer:
         ttft_limit = self.ttft_limit_s(req, now, waited)
         lookup = self._lookup_for(req)
         cached = held = NONE_CACHED
+        home = None
         if lookup is not None:
             # what requests in flight hold changes with every placement and end: asked at each choice
             lookup.held = held = lookup.prefix.held_tokens(req)
-            cached = lookup.cached
+            cached, home = lookup.cached, lookup.home
         subset = req.subset
         for r in self.pool.replicas:
             if subset is not None and not subset.allows(r.address):
@@ -816,6 +823,8 @@ class Placer:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
             s = self.score(r, req, now, lane, work, shared)
+            if r is home:
+                s -= home_term(cached.get(r, 0.0), req.prompt_tokens, r.kv_capacity_tokens)  # prefix_affinity.py
             if best is None or s < best_s:
                 second, second_s, best, best_s = best, best_s, r, s
             elif second is None or s < second_s:

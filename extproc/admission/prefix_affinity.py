@@ -49,6 +49,21 @@ whole when it spills over.
 The placement term (placement.py): a replica must compute `prompt - confidence(r) x cached(r)` tokens of the
 prompt, and that is what its predicted TTFT, its prefill gate and the prefill backlog charged on placing use.
 
+The home term: the prefix's home (`home`: the latest holder of the longest level placed) scores lower by
+
+    home_term = HOME_STAY x cached(home) / prompt x min(1, cached(home) / (HOME_CACHE_SHARE x KV capacity))
+
+(`home_term`: half a TTFT target times the share of the prompt expected cached at home, confidence included, for a
+prefix of at least a tenth of the replica's KV, and in proportion below). The prefill term counts what a move
+costs this request; a move also costs the requests after it: the other replica computes the prefix and caches it,
+and with a prefix working set larger than one replica's cache that copy evicts as much of another app's prefixes
+there, which later requests compute again. Meanwhile the KV and queue terms swing by a whole request at each
+placement (a 6,000-token prompt is 0.3 of a 21,888-token cache). Without the home term, the smaller apps' prefixes
+moved between the two real engines 28 times in PX's 12 s, at score margins mostly under 0.5. A copy of a prefix
+that is small against the cache evicts little: one block of a templated one-liner gets almost no term, so
+identical short prompts still spread by their sequences. A request leaves its home when the home does not fit it
+(a gate of placement.py) or another replica scores better by more than the term.
+
 Headroom counts the prefix once. Requests in flight on a replica that share a prefix share its KV blocks in the
 engine, so a request adds to that replica's KV only what its in-flight neighbours do not already hold:
 
@@ -87,6 +102,8 @@ MIN_EVIDENCE = 2048.0  # predicted cached tokens needed before the counters are 
 HALF_EVIDENCE = 32_768.0  # predicted tokens after which a past prediction and its hits count half (the memory)
 SURPLUS = 2.0          # hits remembered beyond the predictions, at most this x them (late hits, below)
 OLDER_HOLDER = 0.5     # a level's holders other than its most recent placement count this share of it cached
+HOME_STAY = 0.5        # the home term (score units: TTFT targets) for a prompt cached whole at its prefix's home
+HOME_CACHE_SHARE = 0.1  # a prefix this share of its home's KV or larger gets the whole term; smaller, in proportion
 
 
 def reusable_tokens(shared: float, prompt_tokens: int, block_tokens: int) -> float:
@@ -99,6 +116,17 @@ def reusable_tokens(shared: float, prompt_tokens: int, block_tokens: int) -> flo
     if n <= 0:
         return 0.0
     return float(int(n // block_tokens) * block_tokens) if block_tokens > 1 else n
+
+
+def home_term(cached: float, prompt_tokens: int, kv_capacity_tokens: float) -> float:
+    """The score taken off a prefix's home for a prompt with `cached` tokens expected cached there (see above):
+
+        HOME_STAY x cached / prompt x min(1, cached / (HOME_CACHE_SHARE x capacity))   (capacity unknown: x 1)
+    """
+    if cached <= 0 or prompt_tokens <= 0:
+        return 0.0
+    size = cached / (HOME_CACHE_SHARE * kv_capacity_tokens) if kv_capacity_tokens > 0 else 1.0
+    return HOME_STAY * cached / prompt_tokens * min(1.0, size)
 
 
 @dataclass(slots=True)
@@ -147,6 +175,18 @@ class PrefixAffinity:
                         shared = reusable_tokens(PREFIX_LADDER[i] * per_char, req.prompt_tokens, r.kv_block_tokens)
                         out[r] = t.confidence * shared * (1.0 if r is latest else OLDER_HOLDER)
         return out
+
+    def home(self, req: LLMRequest) -> Replica | None:
+        """The replica the longest level of `req`'s prefix placed anywhere was placed on last (None: no level)."""
+        chain = req.prefix_chain
+        where = self.where
+        if not chain or not where:
+            return None
+        for i in range(len(chain) - 1, -1, -1):
+            placed = where.get(chain[i])
+            if placed:
+                return next(reversed(placed))
+        return None
 
     def held_tokens(self, req: LLMRequest) -> dict[Replica, float]:
         """Per replica, the prompt tokens its requests in flight already hold in KV: confidence x the longest level

@@ -7,7 +7,8 @@ import pytest
 
 from extproc.admission.placement import KV_FULL
 from extproc.admission.placement import Placer
-from extproc.admission.prefix_affinity import MIN_EVIDENCE, OLDER_HOLDER, PrefixAffinity, reusable_tokens
+from extproc.admission.prefix_affinity import (HOME_CACHE_SHARE, HOME_STAY, MIN_EVIDENCE, OLDER_HOLDER,
+                                              PrefixAffinity, home_term, reusable_tokens)
 from extproc.request import PREFIX_LADDER, PREFIX_STEP, LLMRequest, prefix_chain
 from extproc.routing.pool import Replica
 from extproc.routing.scrape import ScrapedState
@@ -163,6 +164,46 @@ def test_a_prefix_placed_on_two_replicas_counts_in_full_only_where_it_went_last(
     cached = aff.cached_tokens(req(user="next"))
     assert cached[a] == pytest.approx(cached[b] / OLDER_HOLDER * aff.confidence(a) / aff.confidence(b))
     assert cached[a] > cached[b] > 0
+
+
+@pytest.mark.parametrize("margin, stays", [(0.8, True), (1.2, False)])
+def test_a_prefix_leaves_its_home_only_for_a_replica_better_by_more_than_the_home_term(margin: float, stays: bool):
+    """A move computes the prefix again elsewhere and evicts another prefix there, a cost that falls on later
+    requests: the home keeps its prefix's requests against a replica whose score is better by less than the home
+    term (HOME_STAY x the share of the prompt cached at home, for a prefix of a tenth of the KV), and loses them
+    beyond it."""
+    p = placer(n=2, prefill_tokens_per_s=10_000, ttft_target_s=2.0, kv_capacity_tokens=20_000)
+    home, other = p.pool.replicas
+    for r in p.pool.replicas:
+        scrape(r, 0.5, 0.0)
+    p.prefix.on_scrape(p.pool.replicas)
+    confirmed(p.prefix, home)
+    home.prefill_backlog = other.prefill_backlog = 0.0
+    q = req(user="next")
+    cached = p.cached_tokens(q)
+    assert set(cached) == {home} and p.prefix.home(q) is home
+    assert cached[home] > HOME_CACHE_SHARE * 20_000  # about 3,900 of its 4,000 tokens
+    term = HOME_STAY * cached[home] / q.prompt_tokens
+    assert home_term(cached[home], q.prompt_tokens, home.kv_capacity_tokens) == pytest.approx(term)
+
+    def raw(r: Replica) -> float:  # the score without the home term
+        return p.score(r, q, 10.0, 1, p.prefill_work(q.prompt_tokens, cached.get(r, 0.0)))
+
+    # home's backlog makes `other` better than home by `margin` x the home term, before the term
+    home.prefill_backlog, home.prefill_at = (raw(other) - raw(home) + margin * term) * p.rate * 2.0, 10.0
+    assert raw(other) == pytest.approx(raw(home) - margin * term)
+    assert p.why_not(home, q, 1, 10.0, 2.0) is None  # it fits: only the score decides
+    assert (p.choose(q, 1, 10.0)[0] is home) is stays
+
+
+def test_the_home_term_is_in_proportion_to_the_prefixs_size_against_the_cache():
+    """A copy of a prefix evicts about its own size of other prefixes from the replica it moves to: a tenth of the
+    KV or more is a whole move, a block of a templated one-liner next to nothing."""
+    assert home_term(3_000, 3_200, 20_000) == pytest.approx(HOME_STAY * 3_000 / 3_200)
+    assert home_term(128, 150, 100_000) == pytest.approx(HOME_STAY * 128 / 150 * 128 / 10_000)
+    assert home_term(1_000, 2_000, 20_000) == pytest.approx(HOME_STAY * 0.5 * 0.5)
+    assert home_term(0, 150, 100_000) == home_term(100, 0, 100_000) == 0.0
+    assert home_term(3_000, 3_200, 0) == pytest.approx(HOME_STAY * 3_000 / 3_200)  # capacity unknown
 
 
 def test_a_prefix_is_held_while_a_request_carrying_it_is_in_flight():
