@@ -113,8 +113,9 @@ class AdmissionPolicy:
     prefix_affinity: bool = True          # place a request where its prompt's prefix is cached, as confirmed by
                                           # the engines' prefix-cache hit counters, and keep a prefix on the
                                           # replica it went to last unless another scores better by more than
-                                          # half a TTFT target x the prompt's cached share: a move computes the
-                                          # prefix again and evicts another there (admission/prefix_affinity.py)
+                                          # half a TTFT target x the prompt's cached share (in proportion less for
+                                          # a prefix under a tenth of the KV): a move computes the prefix again
+                                          # and evicts another there (admission/prefix_affinity.py `home_term`)
     score_kv_weight: float = 1.0          # score term: this x the replica's KV fraction after placing
     score_waiting_weight: float = 0.5     # score term: this x the engine's waiting requests
     score_inflight_weight: float = 1.0    # score term: this x the replica's requests in flight (with the new one)
