@@ -28,13 +28,14 @@ POLICY = {
 
 
 @contextlib.asynccontextmanager
-async def stack(n: int = 2):
+async def stack(n: int = 2, ttft_p95_degraded_s: float = 0.3):
     sims = [await SimServer(SimConfig(port=0, model="m", preset="tiny-cpu", time_scale=1.0, seed=i,
                                       admin_port=-1)).start() for i in range(n)]
     pool = Pool.from_config(PoolConfig(model=f"sim-{uuid.uuid4().hex[:6]}",
                                        replicas=[f"127.0.0.1:{s.port}" for s in sims]))
     from extproc.routing.scrape import Scraper
-    policy = parse_section("routing", POLICY)
+    policy = parse_section("routing", {**POLICY, "health": {**POLICY["health"],
+                                                            "ttft_p95_degraded_s": ttft_p95_degraded_s}})
     scraper = Scraper([pool], policy)
     tracker = HealthTracker(pool, policy.health)
     scraper.listeners.append(tracker.on_scrape_round)
@@ -86,7 +87,10 @@ async def test_half_dead_replica_is_degraded_and_its_peer_is_not():
 
 
 async def test_crashed_replica_is_ejected_and_comes_back_through_slow_start():
-    async with stack() as (sims, pool, tracker):
+    # The survivor alone has no peers to be judged against, so only the absolute TTFT bar applies to it: 2 s, well
+    # above what an in-process simulator's TTFT reaches when the test machine is busy (0.46 s seen under a full
+    # suite), so that what is tested here is the crash and the return, not the machine's load.
+    async with stack(ttft_p95_degraded_s=2.0) as (sims, pool, tracker):
         a, b = pool.replicas
         assert await wait_for_async(lambda: all(r.engine.ttft_count_window > 0 for r in pool.replicas), 5.0, 0.05)
         await sims[1].apply_fault("crash")
