@@ -87,13 +87,15 @@ class AdmissionPolicy:
                                           # once with retry-after, which clients honour, instead of waiting 30 s
                                           # and missing it anyway (P1f)
     late_wait_of_target: float = 2.0      # a queued request whose wait above ended without a replica for it, and
-                                          # whose own prefill takes at most REFILL_S (0.1 s), waits on, behind
-                                          # every request that can still meet the SLO, up to this x ttft_target_s
-                                          # more (never past the client's own deadline), and is served late by a
-                                          # replica with at most REFILL_S of prefill ahead, rather than refused (429
-                                          # queue_timeout after a futile wait: P1's slow refusals). Its SLO is lost
-                                          # either way, and the SDK's retry of a refusal comes later still, or is
-                                          # refused by the retry budget. 0 = refuse at the end of the wait above
+                                          # whose own prefill takes at most REFILL_S (0.1 s) or alone misses the
+                                          # target, waits on, behind every request that can still meet the SLO, up
+                                          # to this x ttft_target_s more (x its own prefill when that is longer;
+                                          # never past the client's own deadline), and is served late by a replica
+                                          # with at most REFILL_S of prefill ahead, rather than refused (429
+                                          # queue_timeout after a futile wait: P1's slow refusals; PX's cold
+                                          # prompts). Its SLO is lost either way, and the SDK's retry of a refusal
+                                          # comes later still, or is refused by the retry budget. 0 = refuse at
+                                          # the end of the wait above
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair-share weights (default 1)
     tenant_prefill_share: float = 1.0     # while several tenants are active, the one sending most requests may
                                           # prefill on at most this share of the replicas at once (at least 1);

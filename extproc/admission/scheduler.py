@@ -8,12 +8,13 @@ does, and shed early and clearly when waiting cannot help (P1, P2, P3, P9).
            ─► KV keeps it off every replica (behind the waiters ahead) until after its wait budget ─► 429
               kv_committed at once, x-should-retry: false, retry-after = when KV frees
            ─► no replica's prefill room left behind the queue ahead, or the queue's expected wait past the wait
-              budget ─► 429 at once, retry-after (it would only have expired in the queue)
+              budget (and past its late wait, for a request whose own prefill misses the SLO) ─► 429 at once,
+              retry-after (it would only have expired in the queue)
            ─► lane queue full ─► evict a lower-priority waiter, or shed 429 (503 if the pool is down)
            ─► queued ─► dispatched by `kick` (on every release, scrape, health change, and a short timer)
-                     └► deadline passes ─► a prefill of at most REFILL_S waits on as LATE, behind every on-time
-                                           request, until its late limit (`serve_late`), placed only behind at
-                                           most REFILL_S of prefill
+                     └► deadline passes ─► a prefill of at most REFILL_S, or one that misses the SLO by itself,
+                                           waits on as LATE, behind every on-time request, until its late limit
+                                           (`serve_late`), placed only behind at most REFILL_S of prefill
                                         └► late limit passes ─► 429 (503 if the pool is down), retry-after
                                                                 from the drain rate
 
@@ -274,13 +275,15 @@ class Scheduler:
                 return placed
         ahead, ahead_tokens = self._work_ahead(lane, req.tenant, prio)
         ahead_kv = self._work_ahead(lane, req.tenant, prio, footprints=True)[1] if ahead else 0
+        late_budget = self._late_budget(req, now, prefill_s, wait_budget)
+        may_wait = wait_budget + late_budget if self._slo_lost(prefill_s) else wait_budget
         kv_s = self.placer.kv_free_s(req, now, ahead, ahead_kv)
-        if kv_s is not None and kv_s > wait_budget:
+        if kv_s is not None and kv_s > may_wait:
             # Every replica's KV (after the waiters ahead of it take theirs) is committed to requests in flight that
             # end later than this one may wait: neither the queue nor the SDK's prompt retry can start it within
             # the SLO. Say so now, with when KV frees (PG).
             self.m.shed(lane, "kv_committed")
-            raise self._kv_committed(req, kv_s, wait_budget)
+            raise self._kv_committed(req, kv_s, may_wait)
         short_s = self._prefill_room_short_s(req, now, wait_budget, ahead, ahead_tokens)
         if short_s > 0:
             # No replica will have room for its prefill within the SLO once the queue ahead is placed, and that
@@ -291,13 +294,13 @@ class Scheduler:
                        f"TTFT target behind the {ahead} queued ahead of it; retry later",
                        retry_after_s=self._clamp_retry_after(short_s), should_retry=True)
         expected = self._expected_wait(lane, now, ahead)
-        if expected is not None and expected * WAIT_SAFETY > wait_budget:
+        if expected is not None and expected * WAIT_SAFETY > may_wait:
             # Waiting cannot help: say so now (P1: shed early, in milliseconds, not after a futile wait).
             self.m.shed(lane, "wait_exceeds_deadline")
             too_long = req.client_timeout_s is not None and expected > req.client_timeout_s
             raise Shed(429, "queue_wait_exceeds_deadline",
                        f"about {expected:.1f}s of queue ahead on {req.model} ({expected * WAIT_SAFETY:.1f}s with "
-                       f"the estimate's margin), more than this request may wait ({wait_budget:.1f}s); retry later",
+                       f"the estimate's margin), more than this request may wait ({may_wait:.1f}s); retry later",
                        retry_after_s=self._clamp_retry_after(expected),
                        should_retry=not too_long)
         if len(queue) >= pol.lanes[lane].max_queue:
@@ -313,7 +316,7 @@ class Scheduler:
         waiter = Waiter(req=req, lane=lane, priority=prio, tenant=req.tenant, deadline=now + wait_budget,
                         enqueued=now, expected_wait=expected or 0.0,
                         future=asyncio.get_running_loop().create_future())
-        waiter.late_until = waiter.deadline + self._late_budget(req, now, prefill_s, wait_budget)
+        waiter.late_until = waiter.deadline + late_budget
         if not self._metered_waiting(lane):
             self.busy_since[self.meter[lane]] = now
         queue.push(waiter)
@@ -353,10 +356,13 @@ class Scheduler:
     def _late_budget(self, req: LLMRequest, now: float, prefill: float, wait_budget: float) -> float:
         """How much longer than its wait budget a queued request may wait, served late (`serve_late`):
 
-            late = late_wait_of_target x ttft_target_s, at most 0.9 x the client's time left - prefill - answer
-                   decode - wait_budget (as `_wait_budget` bounds the wait: nothing dispatched after the client
-                   gave up), never below 0"""
-        late = self.policy.late_wait_of_target * self.policy.ttft_target_s
+            late = late_wait_of_target x max(ttft_target_s, prefill), at most 0.9 x the client's time left - prefill
+                   - answer decode - wait_budget (as `_wait_budget` bounds the wait: nothing dispatched after the
+                   client gave up), never below 0
+
+        A prompt whose own prefill is longer than the target is told its first token comes later in proportion: a
+        user who sends it waits for its prefill anyway."""
+        late = self.policy.late_wait_of_target * max(self.policy.ttft_target_s, prefill)
         left = req.time_left_s(now)
         if left is not None:
             late = min(late, 0.9 * left - prefill - self.placer.answer_decode_s(req) - wait_budget)
@@ -559,23 +565,35 @@ class Scheduler:
         if self.queues[w.lane].remove(w):
             self.m.queued(w.lane, w.priority, -1)
 
+    def _slo_lost(self, prefill_s: float) -> bool:
+        """Does a request of `prefill_s` predicted prefill (where its prefix is cached best) miss the SLO by its
+        size alone, on an idle replica (prefill + REFILL_S > ttft_target_s)? No wait can save its SLO, and a
+        refusal loses its call."""
+        return prefill_s + REFILL_S > self.policy.ttft_target_s
+
+    def _late_allowed(self, req: LLMRequest, prefill_s: float) -> bool:
+        """May `req` be served late? Its own prefill takes at most REFILL_S, or its SLO is lost by its size."""
+        return prefill_s <= REFILL_S or self._slo_lost(prefill_s)
+
     def serve_late(self, w: Waiter, now: float) -> bool:
         """Its wait budget ended in the queue: keep it waiting, served late, until `w.late_until`, at priority LATE,
         behind every request that can still meet the SLO (`kick` serves priorities in order, and new arrivals do
         not count it ahead of them: `work_ahead`), when its own prefill (where its prefix is cached best) takes
-        at most REFILL_S. It is placed where at most REFILL_S of prefill is ahead of it (`Placer.ttft_limit_s`
-        after a wait): late work takes a replica's idle moment, and a request after it waits behind at most its
-        short prefill and shares a decode step with it (P1: about 5 % fewer requests within the SLO in three of four
-        seeds, docs/benchmarks.md). Its SLO is lost either way; its call need not be: a refusal after a futile wait was
-        P1's only slow one (the shed latency bar), and its SDK retry comes later still, or is refused by the retry
-        budget.
-        Serving longer prompts late kept both simulated PX replicas prefilling cold prompts nobody was waiting for
-        in time, and most requests after them were late as well (docs/benchmarks.md). False (answer it now:
-        `expired`) when its late limit has passed, its prefill is longer, it was dispatched or left meanwhile, no
-        replica is usable, or KV keeps it off every replica past the limit."""
+        at most REFILL_S, or misses the SLO by itself (`_slo_lost`). It is placed where at most REFILL_S of
+        prefill is ahead of it (`Placer.ttft_limit_s` after a wait): late work takes a replica's idle moment, and
+        a request after it waits behind at most the late one's prefill and shares a decode step with it (P1: about
+        5 % fewer requests within the SLO in three of four seeds, docs/benchmarks.md). Its SLO is lost either way;
+        its call need not be: a refusal after a futile wait was P1's only slow one (the shed latency bar), and its
+        SDK retry comes later still, or is refused by the retry budget. A prompt in between (its prefill longer
+        than REFILL_S, yet within the SLO's reach) is refused instead: served late it holds a replica for a prefill
+        on-time requests would wait behind, and a retry of it may still meet the SLO. One that misses the SLO by
+        itself cannot, and a refusal only loses it and, for a shared prefix, the cache it would warm for the
+        requests after it (PX's cold prompts, docs/benchmarks.md). False (answer it now: `expired`) when its late
+        limit has passed, its prefill is in between, it was dispatched or left meanwhile, no replica is usable, or
+        KV keeps it off every replica past the limit."""
         if w.future.done() or now >= w.late_until or not self.pool_up(now):
             return False
-        if self.placer.lane_prefill_s(w.req) > REFILL_S:
+        if not self._late_allowed(w.req, self.placer.lane_prefill_s(w.req)):
             return False
         kv_s = self.placer.kv_free_s(w.req, now)
         if kv_s is not None and kv_s > w.late_until - now:

@@ -181,6 +181,35 @@ async def test_no_late_wait_past_its_limit_the_clients_deadline_or_when_off():
     assert isinstance(w, Waiter) and w.late_until == w.deadline and not off.serve_late(w, 5.0)
 
 
+async def test_a_request_that_misses_the_slo_by_its_own_prefill_waits_late_rather_than_being_refused():
+    """PX's cold prompts: a prompt whose own prefill takes longer than the TTFT target misses the SLO however short
+    its wait, and a refusal only loses its call (and the prefix it would have cached for the requests after it).
+    So the queue ahead refuses it only past its wait and its late wait, late_wait_of_target x its own prefill, and
+    it is served late; a prompt that could still meet the SLO is refused behind the same queue, as before."""
+    s = make(n_replicas=1, max_concurrency_per_replica=1, kv_capacity_tokens=1_000_000, max_wait_s=0.0)
+    assert isinstance(s.submit(req(), 0.0), Placement)
+    long = s.policy.lane_for(3.0)
+    for t in (0.5, 1.0, 1.5, 2.0):  # about 2 releases/s from the long lane's queue, as in the test above
+        s.drain[s.meter[long]].tick(t)
+    # 30,000 tokens at 10,000/s: 3 s of prefill against the 2 s target. Its wait: max(0.1, 2 - 0.1 - 1) = 0.9 s;
+    # then late, 2 x 3 s
+    lost = [s.submit(req(prompt=30_000, out=10), 2.0) for _ in range(3)]
+    assert all(isinstance(w, Waiter) for w in lost)
+    assert lost[0].deadline == pytest.approx(2.9) and lost[0].late_until == pytest.approx(8.9)
+    # 15,000 tokens (1.5 s, the same long lane) could meet the target: behind the 3 queued (2 s, 2.8 s with the
+    # margin) its 0.9 s wait is too short, and it is refused at once
+    with pytest.raises(Shed) as exc:
+        s.submit(req(prompt=15_000, out=10), 2.0)
+    assert exc.value.code == "queue_wait_exceeds_deadline"
+    # the lost ones queue until the wait ahead, with the margin, passes 6.9 s: (ahead + 1) / 2 x 1.4 > 6.9 at 9 ahead
+    with pytest.raises(Shed) as exc:
+        for _ in range(20):
+            lost.append(s.submit(req(prompt=30_000, out=10), 2.0))
+    assert exc.value.code == "queue_wait_exceeds_deadline" and len(lost) == 9
+    assert "may wait (6.9s)" in exc.value.message
+    assert s.serve_late(lost[0], lost[0].deadline) and lost[0].priority == LATE
+
+
 async def test_pool_down_sheds_503_at_once_with_a_short_retry_after():
     """P6: during an outage nothing is queued (a request held through it reached the recovered replicas too late
     for its SLO); the client is told to retry in a second."""
