@@ -571,8 +571,9 @@ class Scheduler:
         refusal loses its call."""
         return prefill_s + REFILL_S > self.policy.ttft_target_s
 
-    def _late_allowed(self, req: LLMRequest, prefill_s: float) -> bool:
-        """May `req` be served late? Its own prefill takes at most REFILL_S, or its SLO is lost by its size."""
+    def _late_allowed(self, prefill_s: float) -> bool:
+        """May a request of `prefill_s` predicted prefill be served late? It takes at most REFILL_S, or its SLO is
+        lost by its size."""
         return prefill_s <= REFILL_S or self._slo_lost(prefill_s)
 
     def serve_late(self, w: Waiter, now: float) -> bool:
@@ -593,7 +594,7 @@ class Scheduler:
         KV keeps it off every replica past the limit."""
         if w.future.done() or now >= w.late_until or not self.pool_up(now):
             return False
-        if not self._late_allowed(w.req, self.placer.lane_prefill_s(w.req)):
+        if not self._late_allowed(self.placer.lane_prefill_s(w.req)):
             return False
         kv_s = self.placer.kv_free_s(w.req, now)
         if kv_s is not None and kv_s > w.late_until - now:

@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))  # the repository, for the bench package when run as a script
+
+from bench.scenarios.base import pct, rnd  # noqa: E402  (the scenarios' own percentile rule: nearest rank)
+
 LABELS = {"base": "main (9d30706)", "late": "served late (79a396b)"}
 METRICS = ("slo_goodput_rps", "failed", "ttft_p95_s", "hit_rate_vs_best")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile, as bench/scenarios/base.py `pct`."""
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    i = int(k)
-    j = min(i + 1, len(v) - 1)
-    return round(v[i] + (v[j] - v[i]) * (k - i), 3)
 
 
 def call_classes(path: Path) -> dict[str, tuple[int, int, int, float | None, float | None]]:
@@ -47,7 +41,7 @@ def call_classes(path: Path) -> dict[str, tuple[int, int, int, float | None, flo
             b[2] += 1
         else:
             b[3].append(final["first_token"] - first)
-    return {k: (v[0], v[1], v[2], pct(v[3], 0.5), pct(v[3], 0.95)) for k, v in sorted(by.items())}
+    return {k: (v[0], v[1], v[2], rnd(pct(v[3], 50)), rnd(pct(v[3], 95))) for k, v in sorted(by.items())}
 
 
 def run_rows(kind: str, seeds: range) -> list[str]:
