@@ -232,6 +232,26 @@ def test_the_seeds_report_judges_each_repetition_on_its_own_numbers(tmp_path: Pa
     assert "old" not in docs.read_text() and "at commit `abc`" in docs.read_text()
 
 
+def test_a_runs_table_goes_between_the_markers_it_is_given(tmp_path: Path):
+    """A run of a few scenarios (`--markers NAME`) gets its own block and leaves the whole run's untouched: the
+    block is written between NAME's markers and carries them, so the next regeneration finds them again."""
+    from bench.seeds_report import MARKERS, main
+    from bench.real import markers
+
+    row = {"sluice": {"slo_goodput_rps": 5.0, "offered_rps": 10.0, "refused_classes": [],
+                      "per_rep": [{"slo_goodput_rps": 5.0, "offered_rps": 10.0}], "per_rep_class_slo_goodput": []}}
+    src = tmp_path / "seeds.json"
+    src.write_text(json.dumps({"P3": row, "_meta": {"command": "sluice bench run P3 --seeds 1", "commit": "def"}}))
+    whole, mine = markers(MARKERS), markers("seeds-subset")
+    docs = tmp_path / "docs.md"
+    docs.write_text(f"{whole[0]}\nthe whole run\n{whole[1]}\n\n{mine[0]}\nold\n{mine[1]}\n")
+    for _ in range(2):
+        assert main([str(src), "--docs", str(docs), "--markers", "seeds-subset"]) == 0
+    text = docs.read_text()
+    assert "the whole run" in text and "old" not in text and text.count("at commit `def`") == 1
+    assert text.count(mine[0]) == 1 and text.count(whole[0]) == 1
+
+
 def test_one_scenarios_table_shows_each_value_as_the_file_holds_it():
     """A whole number loses its `.0`, anything else keeps every digit (11.125, not fmt's 11.1), the median comes
     before each repetition's value in brackets, and a metric no system has (the simulator's engine probe) is no
