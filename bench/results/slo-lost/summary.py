@@ -8,7 +8,6 @@ send of the calls that got a first token (p50, p95)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import sys
 from collections import defaultdict
@@ -18,29 +17,24 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))  # the repository, for the bench package when run as a script
 
 from bench.scenarios.base import pct, rnd  # noqa: E402  (the scenarios' own percentile rule: nearest rank)
+from bench.windows import read_calls  # noqa: E402
 
 LABELS = {"base": "main (9d30706)", "late": "served late (79a396b)"}
 METRICS = ("slo_goodput_rps", "failed", "ttft_p95_s", "hit_rate_vs_best")
 
 
 def call_classes(path: Path) -> dict[str, tuple[int, int, int, float | None, float | None]]:
-    """kind -> (calls, attempts, calls failed, TTFT p50, TTFT p95 of the calls served)."""
-    calls: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            calls[(r["user"], r["call"])].append(r)
+    """kind -> (calls, attempts, calls failed, TTFT p50, TTFT p95 of the calls served), the calls as the scenarios
+    group and judge them (`bench.windows.read_calls`, `Call.ok`, `Call.ttft`)."""
     by: dict[str, list] = defaultdict(lambda: [0, 0, 0, []])
-    for attempts in calls.values():
-        attempts.sort(key=lambda r: r["attempt"])
-        final, first = attempts[-1], attempts[0].get("first_send") or attempts[0]["start"]
-        b = by[final["kind"]]
+    for call in read_calls(path):
+        b = by[call.kind]
         b[0] += 1
-        b[1] += len(attempts)
-        if final["status"] != 200 or final["first_token"] is None:
+        b[1] += len(call.attempts)
+        if not call.ok:
             b[2] += 1
-        else:
-            b[3].append(final["first_token"] - first)
+        elif call.ttft is not None:
+            b[3].append(call.ttft)
     return {k: (v[0], v[1], v[2], rnd(pct(v[3], 50)), rnd(pct(v[3], 95))) for k, v in sorted(by.items())}
 
 
